@@ -1,0 +1,31 @@
+# Two entry points: `make demo` (the main job) and `make test`. Both build .venv on first use.
+PY      ?= python3.11
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+TORCHREC := torchrec==1.8.0
+
+.PHONY: demo test bench venv clean
+
+venv: $(STAMP)
+
+# Rebuilt when the pins, the packaging or the native sources change. Idempotent: a second run
+# finds the stamp and does nothing.
+$(STAMP): requirements.txt setup.py setup.cfg pyproject.toml $(wildcard plugin/torchrec_kvzch/store/csrc/*.cpp)
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHREC)
+	# --no-build-isolation: the C++ id-map op compiles against the torch installed above
+	# (an isolated build would download a multi-GB CUDA torch).
+	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(VPY) -c "import torchrec, fbgemm_gpu, torchrec_kvzch; torchrec_kvzch.native_status(strict=True)"
+	touch $@
+
+test: $(STAMP)
+	$(VPY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(VPY) benchmarks/bench_store.py --json results/bench_store.json
+
+clean:
+	rm -rf $(VENV) build plugin/*.egg-info plugin/torchrec_kvzch/*.so

@@ -1,0 +1,123 @@
+"""A tensor-like view over one shard's rows, for checkpoints.
+
+``KVTensor`` has shape ``[n, width]`` where row ``i`` is the row of the ``i``-th id of a
+bucket-sorted id snapshot taken at creation. Nothing is materialised until asked:
+``narrow(0, start, length)`` reads one chunk, so a checkpoint can stream a table of any size.
+Reads go by id, so a row deleted after the snapshot reads as zeros (used bit 0 in a whole row)
+and is skipped when loaded back.
+
+It offers the method set of fbgemm's ``KVTensorWrapper`` and works wrapped in fbgemm's
+``PartiallyMaterializedTensor(kv, is_virtual=True)``, which is how TorchRec carries such views
+through ``state_dict`` and DCP. With ``read_only=True`` every write is a no-op (logged once):
+that is how optimizer state is exposed when whole rows already carry it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from torchrec_kvzch.store.layout import RowPart
+from torchrec_kvzch.store.row_store import RowStore
+
+logger = logging.getLogger(__name__)
+
+
+class KVTensor:
+    def __init__(
+        self,
+        store: RowStore,
+        part: RowPart | str = RowPart.WEIGHT,
+        ids: torch.Tensor | None = None,
+        read_only: bool = False,
+    ) -> None:
+        """``ids``: the rows to expose, in order; default, the store's live ids bucket-sorted."""
+        self.store = store
+        self.part = RowPart(part)
+        self.ids = store.sorted_ids() if ids is None else store.map._check_ids(ids)
+        self.read_only = read_only
+        self._warned = False
+
+    # -- tensor-like metadata -----------------------------------------------------------------
+    @property
+    def shape(self) -> list[int]:
+        return [self.ids.numel(), self.store.layout.width(self.part)]
+
+    def size(self, dim: int | None = None):
+        return torch.Size(self.shape) if dim is None else self.shape[dim]
+
+    @property
+    def width_offset(self) -> int:
+        """Column of the whole row where this view starts (0 for whole rows)."""
+        return self.store.layout.width_offset(self.part)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.store.layout.part_dtype(self.part)
+
+    @property
+    def dtype_str(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def device_str(self) -> str:
+        return str(self.store.device)
+
+    @property
+    def layout_str(self) -> str:
+        return "Strided"
+
+    def get_kvtensor_serializable_metadata(self) -> list[str]:
+        p = self.store.params
+        return [p.name, self.part.value, str(self.shape[0]), str(self.shape[1]),
+                str(self.width_offset), self.dtype_str, str(int(self.read_only))]
+
+    def __repr__(self) -> str:
+        ro = ", read_only" if self.read_only else ""
+        return f"KVTensor({self.store.params.name}.{self.part.value}, shape={self.shape}{ro})"
+
+    # -- reads --------------------------------------------------------------------------------
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Materialise rows ``[start, start + length)`` of the view."""
+        self._check_slice(dim, start, length)
+        return self.store.read_ids(self.ids[start : start + length], self.part)
+
+    def full_tensor(self) -> torch.Tensor:
+        return self.narrow(0, 0, self.shape[0])
+
+    def get_weights_by_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.store.read_ids(ids, self.part)
+
+    # -- writes (no-ops when read_only) --------------------------------------------------------
+    def set_range(self, dim: int, start: int, length: int, values: torch.Tensor) -> None:
+        """Write rows ``[start, start + length)``. Whole rows go by their header id."""
+        if self._skip_write("set_range"):
+            return
+        self._check_slice(dim, start, length)
+        if self.part is RowPart.ROW:
+            self.store.write_rows(values)
+        else:
+            self.store.write_ids(self.ids[start : start + length], values, self.part)
+
+    def set_weights_and_ids(self, weights: torch.Tensor, ids: torch.Tensor) -> None:
+        """Write rows for ``ids`` (whole rows: by header id; ``ids`` must match when given)."""
+        if self._skip_write("set_weights_and_ids"):
+            return
+        if self.part is RowPart.ROW:
+            self.store.write_rows(weights)
+        else:
+            self.store.write_ids(ids, weights, self.part)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _skip_write(self, what: str) -> bool:
+        if self.read_only and not self._warned:
+            logger.info("%s: %s ignored (read-only view)", self, what)
+            self._warned = True
+        return self.read_only
+
+    def _check_slice(self, dim: int, start: int, length: int) -> None:
+        if dim != 0:
+            raise ValueError(f"{self}: only dim 0 can be narrowed, got dim={dim}")
+        if start < 0 or length < 0 or start + length > self.shape[0]:
+            raise IndexError(f"{self}: rows [{start}, {start + length}) out of [0, {self.shape[0]})")

@@ -1,0 +1,269 @@
+"""The KV-ZCH parameter set: per-table options, their validation, and the bucket math.
+
+Every check raises ``ValueError`` naming the table, the field and the fix (fbgemm's own
+``KVZCHParams.validate`` uses ``assert``, which ``python -O`` strips). Conversion to fbgemm's
+``KVZCHParams`` is provided for interchange with upstream tooling.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+_WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+class OptimizerKind(str, enum.Enum):
+    """Fused optimizers the store can hold state for; values are fbgemm's ``EmbOptimType`` names."""
+
+    EXACT_ROWWISE_ADAGRAD = "exact_row_wise_adagrad"
+    EXACT_SGD = "exact_sgd"
+    ADAM = "adam"
+
+    @classmethod
+    def parse(cls, value: "OptimizerKind | str", table: str = "?") -> "OptimizerKind":
+        if isinstance(value, cls):
+            return value
+        key = str(value).strip().lower()
+        for kind in cls:
+            if key in (kind.value, kind.name.lower()):
+                return kind
+        allowed = ", ".join(k.name for k in cls)
+        raise ValueError(
+            f"KV-ZCH table '{table}': optimizer {value!r} is not supported; use one of {allowed}"
+        )
+
+    def state_floats(self, embedding_dim: int) -> int:
+        """fp32 optimizer values kept per row (rowwise Adagrad: one accumulator; Adam: m and v)."""
+        return {
+            OptimizerKind.EXACT_ROWWISE_ADAGRAD: 1,
+            OptimizerKind.EXACT_SGD: 0,
+            OptimizerKind.ADAM: 2 * embedding_dim,
+        }[self]
+
+    def to_fbgemm(self):
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+        return EmbOptimType(self.value)
+
+
+class EvictionKind(str, enum.Enum):
+    NONE = "none"
+    TTL = "ttl"  # drop rows not touched for ttl_steps
+    LFU = "lfu"  # drop rows whose (decayed) access count is below count_threshold
+    LRU = "lru"  # under a row budget, drop the least recently touched rows first
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """When rows leave the store. Timestamps and counts live in each row's metaheader."""
+
+    kind: EvictionKind | str = EvictionKind.NONE
+    ttl_steps: int | None = None
+    count_threshold: int | None = None
+    count_decay: float = 1.0
+    max_rows: int | None = None
+
+    def validate(self, table: str) -> "EvictionPolicy":
+        try:
+            kind = EvictionKind(str(getattr(self.kind, "value", self.kind)).lower())
+        except ValueError:
+            allowed = ", ".join(k.value for k in EvictionKind)
+            raise ValueError(
+                f"KV-ZCH table '{table}': eviction.kind {self.kind!r} is unknown; use one of {allowed}"
+            ) from None
+        need = {EvictionKind.TTL: "ttl_steps", EvictionKind.LFU: "count_threshold",
+                EvictionKind.LRU: "max_rows"}.get(kind)
+        if need is not None and not _positive_int(getattr(self, need)):
+            raise ValueError(
+                f"KV-ZCH table '{table}': eviction.kind '{kind.value}' needs eviction.{need} "
+                f"as a positive integer, got {getattr(self, need)!r}"
+            )
+        for name in ("ttl_steps", "count_threshold", "max_rows"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise ValueError(
+                    f"KV-ZCH table '{table}': eviction.{name} must be a positive integer, got {value!r}"
+                )
+        if not 0.0 < float(self.count_decay) <= 1.0:
+            raise ValueError(
+                f"KV-ZCH table '{table}': eviction.count_decay must be in (0, 1], got {self.count_decay!r}"
+            )
+        return EvictionPolicy(kind, self.ttl_steps, self.count_threshold, float(self.count_decay),
+                              self.max_rows)
+
+    def to_fbgemm(self):
+        """fbgemm's nearest ``EvictionPolicy`` (it counts TTL in minutes, we count steps)."""
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            EvictionPolicy as FbgemmEviction,
+        )
+
+        kind = EvictionKind(self.kind)
+        if kind is EvictionKind.NONE:
+            return FbgemmEviction()
+        if kind is EvictionKind.TTL:
+            return FbgemmEviction(eviction_trigger_mode=3, eviction_strategy=0,
+                                  ttls_in_mins=[self.ttl_steps])
+        if kind is EvictionKind.LFU:
+            return FbgemmEviction(eviction_trigger_mode=3, eviction_strategy=1,
+                                  counter_thresholds=[self.count_threshold],
+                                  counter_decay_rates=[self.count_decay])
+        return FbgemmEviction(eviction_trigger_mode=4, eviction_strategy=0, ttls_in_mins=[0],
+                              training_id_eviction_trigger_count=[self.max_rows],
+                              training_id_keep_count=[self.max_rows])
+
+
+@dataclass(frozen=True)
+class BucketRange:
+    """The contiguous buckets ``[start, end)`` one rank owns; ``size`` ids per bucket."""
+
+    start: int
+    end: int
+    size: int
+
+    @property
+    def num_buckets(self) -> int:
+        return self.end - self.start
+
+    @property
+    def id_start(self) -> int:
+        return self.start * self.size
+
+    @property
+    def id_end(self) -> int:
+        return self.end * self.size
+
+
+@dataclass(frozen=True)
+class KVZCHTableParams:
+    """Options of one KV-ZCH table. Validated on construction."""
+
+    name: str
+    embedding_dim: int
+    num_embeddings: int = 2**40
+    total_num_buckets: int = 1024
+    optimizer: OptimizerKind | str = OptimizerKind.EXACT_ROWWISE_ADAGRAD
+    learning_rate: float = 0.01
+    eps: float = 1e-8
+    betas: tuple[float, float] = (0.9, 0.999)
+    init_range: tuple[float, float] = (-0.01, 0.01)
+    init_seed: int | None = None  # None: derived from the table name
+    weight_dtype: str = "fp32"
+    enable_optimizer_offloading: bool = False
+    backend_return_whole_row: bool = False
+    eviction: EvictionPolicy = field(default_factory=EvictionPolicy)
+    checkpoint_chunk_rows: int = 65536
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"KV-ZCH table name must be a non-empty string, got {self.name!r}")
+        fail = self._fail
+        for name in ("embedding_dim", "num_embeddings", "total_num_buckets", "checkpoint_chunk_rows"):
+            if not _positive_int(getattr(self, name)):
+                fail(name, f"must be a positive integer, got {getattr(self, name)!r}",
+                     "pass a value >= 1")
+        if self.num_embeddings % self.total_num_buckets:
+            fail("num_embeddings",
+                 f"{self.num_embeddings} is not a multiple of total_num_buckets={self.total_num_buckets}",
+                 "choose num_embeddings = k * total_num_buckets (e.g. a power of two for both)")
+        object.__setattr__(self, "optimizer", OptimizerKind.parse(self.optimizer, self.name))
+        for name in ("learning_rate", "eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                fail(name, f"must be a positive finite number, got {value!r}", "e.g. 0.01")
+        b1, b2 = _pair(self.betas, "betas", fail)
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            fail("betas", f"must both be in [0, 1), got {self.betas!r}", "e.g. (0.9, 0.999)")
+        low, high = _pair(self.init_range, "init_range", fail)
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            fail("init_range", f"must be finite (low, high) with low < high, got {self.init_range!r}",
+                 "e.g. (-0.01, 0.01)")
+        if self.weight_dtype not in _WEIGHT_DTYPES:
+            fail("weight_dtype", f"{self.weight_dtype!r} is not supported",
+                 f"use one of {', '.join(_WEIGHT_DTYPES)}")
+        if self.backend_return_whole_row and not self.enable_optimizer_offloading:
+            fail("backend_return_whole_row",
+                 "is only valid with enable_optimizer_offloading=True (whole rows carry the "
+                 "optimizer state, which must then live in the store)",
+                 "set enable_optimizer_offloading=True or backend_return_whole_row=False")
+        if not isinstance(self.eviction, EvictionPolicy):
+            fail("eviction", f"must be an EvictionPolicy, got {type(self.eviction).__name__}",
+                 "pass EvictionPolicy(...)")
+        object.__setattr__(self, "eviction", self.eviction.validate(self.name))
+        if self.init_seed is None:
+            object.__setattr__(self, "init_seed", zlib.crc32(self.name.encode()))
+        elif not isinstance(self.init_seed, int):
+            fail("init_seed", f"must be an integer or None, got {self.init_seed!r}", "e.g. 0")
+
+    def _fail(self, field_name: str, problem: str, fix: str):
+        raise ValueError(f"KV-ZCH table '{self.name}': {field_name} {problem}; fix: {fix}")
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return _WEIGHT_DTYPES[self.weight_dtype]
+
+    @property
+    def bucket_size(self) -> int:
+        return self.num_embeddings // self.total_num_buckets
+
+    def bucket_range(self, rank: int, world_size: int) -> BucketRange:
+        """Buckets of ``rank``: contiguous ranges, the first ``total % world`` ranks take one more.
+        Identical to TorchRec's ``_get_sharded_local_buckets_for_zero_collision``."""
+        self.check_world_size(world_size)
+        if not (isinstance(rank, int) and 0 <= rank < world_size):
+            self._fail("rank", f"{rank!r} is outside [0, {world_size})", "pass 0 <= rank < world_size")
+        base, extra = divmod(self.total_num_buckets, world_size)
+        start = rank * base + min(rank, extra)
+        return BucketRange(start, start + base + (rank < extra), self.bucket_size)
+
+    def check_world_size(self, world_size: int) -> None:
+        if not _positive_int(world_size):
+            self._fail("world_size", f"must be a positive integer, got {world_size!r}", "pass >= 1")
+        if self.total_num_buckets < world_size:
+            self._fail("total_num_buckets",
+                       f"({self.total_num_buckets}) is smaller than the world size ({world_size}), "
+                       "so some ranks would own no bucket",
+                       f"use at least {world_size} buckets (a multiple of the world size is best)")
+
+    def to_fbgemm(self, rank: int, world_size: int):
+        """fbgemm's ``KVZCHParams`` for this table's shard on ``rank``."""
+        return fbgemm_kvzch_params([self], rank, world_size)
+
+
+def fbgemm_kvzch_params(tables: list[KVZCHTableParams], rank: int, world_size: int):
+    """One fbgemm ``KVZCHParams`` for a group of tables sharded together (one TBE)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import KVZCHParams
+
+    if not tables:
+        raise ValueError("fbgemm_kvzch_params needs at least one table")
+    for key in ("enable_optimizer_offloading", "backend_return_whole_row", "eviction"):
+        if len({getattr(t, key) for t in tables}) > 1:
+            raise ValueError(
+                f"KV-ZCH tables {[t.name for t in tables]} disagree on {key}; "
+                "tables grouped into one kernel must share it"
+            )
+    ranges = [t.bucket_range(rank, world_size) for t in tables]
+    return KVZCHParams(
+        bucket_offsets=[(r.start, r.end) for r in ranges],
+        bucket_sizes=[r.size for r in ranges],
+        enable_optimizer_offloading=tables[0].enable_optimizer_offloading,
+        backend_return_whole_row=tables[0].backend_return_whole_row,
+        eviction_policy=tables[0].eviction.to_fbgemm(),
+    )
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _pair(value, name, fail) -> tuple[float, float]:
+    try:
+        a, b = (float(v) for v in value)
+    except (TypeError, ValueError):
+        fail(name, f"must be a pair of numbers, got {value!r}", "e.g. (low, high)")
+    return a, b

@@ -1,0 +1,305 @@
+"""Batched map from int64 global ids to dense row slots ``0..n-1``.
+
+Open addressing with linear probing over a power-of-two table kept at load <= 1/2. The state
+is three tensors (``table_keys``, ``table_slots``, ``slot_keys``), and two interchangeable
+backends implement the only two kernels that touch it, ``probe`` and ``find_or_insert``:
+
+* ``NativeKernels``: the C++ op in ``csrc/id_map.cpp`` (parallel prefetching lookup, serial
+  insert of the misses). The default on CPU.
+* ``TorchKernels``: the same algorithm in vectorised torch ops. The fallback when the native
+  op is not built, and the path for non-CPU devices.
+
+Both use the same hash and sentinels, so a table built by one can be read by the other, and
+the tests check they agree on every operation sequence. Erase, compaction and rehash are
+written once, on top of ``probe``.
+
+Slots stay dense: new ids take the next slots in order of first appearance, and erasing moves
+the last rows into the holes (the caller moves its row data the same way). Row storage can
+therefore be plain contiguous arrays that fbgemm's TBE indexes directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+EMPTY = -1
+TOMB = -2
+MAX_LOAD = 0.5
+MIN_CAPACITY = 1024
+MAX_SLOTS = 2**31 - 1  # table_slots is int32
+
+_M1 = 0xBF58476D1CE4E5B9 - 2**64  # the splitmix64 constants as signed int64
+_M2 = 0x94D049BB133111EB - 2**64
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer on int64 tensors; bit-identical to ``mix64`` in the C++ op."""
+    x = x ^ _shr(x, 30)
+    x = x * _M1
+    x = x ^ _shr(x, 27)
+    x = x * _M2
+    return x ^ _shr(x, 31)
+
+
+class Kernels(Protocol):
+    name: str
+
+    def probe(self, table_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def find_or_insert(
+        self,
+        table_keys: torch.Tensor,
+        table_slots: torch.Tensor,
+        slot_keys: torch.Tensor,
+        ids: torch.Tensor,
+        size: int,
+    ) -> torch.Tensor: ...
+
+
+class TorchKernels:
+    """Vectorised torch implementation: probing advances all unresolved ids one step per round."""
+
+    name = "torch"
+
+    def probe(self, table_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        mask = table_keys.numel() - 1
+        out = torch.full_like(ids, -1)
+        todo = torch.arange(ids.numel(), device=ids.device)
+        want = ids
+        pos = mix64(ids) & mask
+        while todo.numel():
+            k = table_keys[pos]
+            hit = k == want
+            out[todo[hit]] = pos[hit]
+            cont = ~hit & (k != EMPTY)
+            todo, want, pos = todo[cont], want[cont], (pos[cont] + 1) & mask
+        return out
+
+    def find_or_insert(self, table_keys, table_slots, slot_keys, ids, size):
+        pos = self.probe(table_keys, ids)
+        hit = pos >= 0
+        out = torch.full_like(ids, -1)
+        out[hit] = table_slots[pos[hit]].long()
+        miss = ~hit
+        if not bool(miss.any()):
+            return out
+        missing = ids[miss]
+        uniq, inverse = torch.unique(missing, return_inverse=True)
+        # Slots in order of first appearance, as the serial native insert assigns them.
+        first = torch.full_like(uniq, missing.numel())
+        first.scatter_reduce_(0, inverse, torch.arange(missing.numel(), device=ids.device), "amin")
+        order = torch.argsort(first)
+        new_slots = torch.empty_like(uniq)
+        new_slots[order] = torch.arange(size, size + uniq.numel(), device=ids.device)
+        out[miss] = new_slots[inverse]
+        slot_keys[size : size + uniq.numel()] = uniq[order]
+        self._place(table_keys, table_slots, uniq, new_slots)
+        return out
+
+    @staticmethod
+    def _place(table_keys, table_slots, ids, slots) -> None:
+        """Insert ids known to be absent: each round, the lowest-indexed contender per free
+        position wins it and the rest move one position on."""
+        mask = table_keys.numel() - 1
+        pos = mix64(ids) & mask
+        while ids.numel():
+            free = table_keys[pos] < 0  # EMPTY or TOMB
+            cand = torch.nonzero(free).squeeze(1)
+            cpos = pos[cand]
+            sorted_pos, perm = torch.sort(cpos, stable=True)
+            first = torch.ones_like(sorted_pos, dtype=torch.bool)
+            first[1:] = sorted_pos[1:] != sorted_pos[:-1]
+            win = cand[perm[first]]
+            table_keys[pos[win]] = ids[win]
+            table_slots[pos[win]] = slots[win].int()
+            keep = torch.ones_like(ids, dtype=torch.bool)
+            keep[win] = False
+            ids, slots, pos = ids[keep], slots[keep], (pos[keep] + 1) & mask
+
+
+class NativeKernels:
+    """The C++ op from ``csrc/id_map.cpp``."""
+
+    name = "native"
+
+    def probe(self, table_keys, ids):
+        return torch.ops.kvzch.probe(table_keys, ids)
+
+    def find_or_insert(self, table_keys, table_slots, slot_keys, ids, size):
+        return torch.ops.kvzch.find_or_insert(table_keys, table_slots, slot_keys, ids, size)
+
+
+def _load_native() -> tuple[bool, str]:
+    try:
+        from torchrec_kvzch import _C  # noqa: F401  (registers torch.ops.kvzch.*)
+    except ImportError as e:
+        return False, f"{e}"
+    return True, "loaded"
+
+
+_NATIVE_OK, _NATIVE_WHY = _load_native()
+
+
+def native_status(strict: bool = False) -> bool:
+    """Whether the native op is available; with ``strict`` a missing build is an error."""
+    if strict and not _NATIVE_OK:
+        raise RuntimeError(
+            f"torchrec_kvzch native op is not built ({_NATIVE_WHY}); reinstall with "
+            "`pip install --no-build-isolation -e .` (or run `make venv`)"
+        )
+    return _NATIVE_OK
+
+
+def kernels_for(backend: str, device: torch.device) -> Kernels:
+    """``auto`` picks the native op on CPU when it is built, else the torch twin."""
+    if backend not in ("auto", "native", "torch"):
+        raise ValueError(f"id map backend must be 'auto', 'native' or 'torch', got {backend!r}")
+    if backend == "torch" or device.type != "cpu":
+        if backend == "native":
+            raise ValueError(f"the native id map runs on CPU only, not on {device}; use 'torch'")
+        return TorchKernels()
+    if native_status(strict=backend == "native"):
+        return NativeKernels()
+    logger.warning("torchrec_kvzch native op unavailable (%s); using the torch id map", _NATIVE_WHY)
+    return TorchKernels()
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """Row moves that keep slots dense after an erase: ``rows[dst] = rows[src]``."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    new_size: int
+
+
+class IdMap:
+    """int64 global ids -> dense int64 slots ``0..len-1``. Ids must be non-negative."""
+
+    def __init__(self, backend: str = "auto", device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.kernels = kernels_for(backend, self.device)
+        self.size = 0
+        self._occupied = 0  # upper bound on non-EMPTY positions (live keys + tombstones)
+        self.slot_keys = torch.empty(0, dtype=torch.long, device=self.device)
+        self._alloc_table(MIN_CAPACITY)
+
+    # -- queries ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def capacity(self) -> int:
+        return self.table_keys.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the map: the hash table plus the slot -> id array."""
+        tensors = (self.table_keys, self.table_slots, self.slot_keys)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def keys(self) -> torch.Tensor:
+        """The live ids, indexed by slot (a view: copy before mutating the map)."""
+        return self.slot_keys[: self.size]
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each id, -1 where absent."""
+        ids = self._check_ids(ids)
+        pos = self.kernels.probe(self.table_keys, ids)
+        out = torch.full_like(ids, -1)
+        hit = pos >= 0
+        out[hit] = self.table_slots[pos[hit]].long()
+        return out
+
+    # -- updates ------------------------------------------------------------------------------
+    def find_or_insert(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each id, inserting absent ids; new slots are ``[old len, new len)`` in order of
+        first appearance, so a caller initialises exactly ``keys()[old_len:]``."""
+        ids = self._check_ids(ids)
+        self._reserve(ids.numel())
+        slots = self.kernels.find_or_insert(
+            self.table_keys, self.table_slots, self.slot_keys, ids, self.size
+        )
+        new_size = max(self.size, int(slots.max()) + 1) if slots.numel() else self.size
+        self._occupied += new_size - self.size
+        self.size = new_size
+        return slots
+
+    def erase(self, ids: torch.Tensor) -> Compaction:
+        """Remove ids (absent ones are ignored) and compact; returns the row moves to mirror."""
+        ids = torch.unique(self._check_ids(ids))
+        pos = self.kernels.probe(self.table_keys, ids)
+        pos = pos[pos >= 0]
+        gone = self.table_slots[pos].long()
+        self.table_keys[pos] = TOMB
+        new_size = self.size - gone.numel()
+        # Holes below the new end take the surviving rows from above it, both in slot order.
+        dead = torch.zeros(self.size, dtype=torch.bool, device=self.device)
+        dead[gone] = True
+        dst = torch.nonzero(dead[:new_size]).squeeze(1)
+        src = new_size + torch.nonzero(~dead[new_size:]).squeeze(1)
+        if src.numel():
+            moved = self.slot_keys[src]
+            self.table_slots[self.kernels.probe(self.table_keys, moved)] = dst.int()
+            self.slot_keys[dst] = moved
+        self.size = new_size
+        return Compaction(src=src, dst=dst, new_size=new_size)
+
+    def clear(self) -> None:
+        self.size = 0
+        self._occupied = 0
+        self._alloc_table(MIN_CAPACITY)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"ids must be an int64 (or int32) tensor, got {getattr(ids, 'dtype', type(ids))}"
+            )
+        ids = ids.reshape(-1).to(device=self.device, dtype=torch.long).contiguous()
+        if ids.numel() and int(ids.min()) < 0:
+            raise ValueError(
+                f"ids must be non-negative global ids, got {int(ids.min())}; "
+                "map or hash negative ids into [0, num_embeddings) first"
+            )
+        return ids
+
+    def _reserve(self, extra: int) -> None:
+        need = self.size + extra
+        if need > MAX_SLOTS:
+            raise RuntimeError(
+                f"id map shard would hold {need} rows, above the {MAX_SLOTS} slot limit; "
+                "use more buckets/ranks"
+            )
+        if self.slot_keys.numel() < need:
+            grown = torch.empty(max(need, self.slot_keys.numel() * 3 // 2), dtype=torch.long,
+                                device=self.device)
+            grown[: self.size] = self.slot_keys[: self.size]
+            self.slot_keys = grown
+        if self._occupied + extra > MAX_LOAD * self.capacity:
+            capacity = self.capacity
+            while need > MAX_LOAD * capacity:  # grow for live keys; tombstones are dropped
+                capacity *= 2
+            self._rehash(capacity)
+
+    def _rehash(self, capacity: int) -> None:
+        live = self.slot_keys[: self.size].clone()
+        self._alloc_table(capacity)
+        # Reinserting the ids in slot order reproduces slots 0..size-1 exactly.
+        self.kernels.find_or_insert(self.table_keys, self.table_slots, self.slot_keys, live, 0)
+        self._occupied = self.size
+
+    def _alloc_table(self, capacity: int) -> None:
+        self.table_keys = torch.full((capacity,), EMPTY, dtype=torch.long, device=self.device)
+        self.table_slots = torch.zeros(capacity, dtype=torch.int32, device=self.device)

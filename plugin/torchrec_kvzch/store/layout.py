@@ -1,0 +1,138 @@
+"""The whole-row layout shared with upstream FBGEMM's DRAM KV backend.
+
+A whole row, in the weight dtype, is ``[metaheader | weight | optimizer state]``:
+
+* metaheader, 16 bytes: int64 key (the global id) at byte 0, uint32 timestamp at byte 8, and at
+  byte 12 a uint32 holding ``count`` in bits 0-30 and ``used`` in bit 31;
+* the weight, ``embedding_dim`` values padded to a multiple of 4 elements;
+* the optimizer state (fp32 values reinterpreted as weight-dtype elements), padded to 4.
+
+The store keeps these parts in separate arrays (TBE wants contiguous weights); this module only
+packs and unpacks the upstream layout. Bytes 8-15 of the header are kept as one int64 "meta" word.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from torchrec_kvzch.params import KVZCHTableParams
+
+HEADER_BYTES = 16
+_TS_MASK = (1 << 32) - 1
+_COUNT_MASK = (1 << 31) - 1
+_USED_BIT = 1 << 63  # bit 31 of the uint32 at byte 12
+
+
+class RowPart(str, enum.Enum):
+    """Which columns of a row a read or write addresses."""
+
+    WEIGHT = "weight"
+    OPTIMIZER = "optimizer"
+    ROW = "row"  # the whole row, header included
+
+
+def pad4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def make_meta(timestamp: torch.Tensor | int, count: torch.Tensor | int, used: bool = True):
+    """The header's second int64 word: timestamp | count << 32 | used << 63."""
+    meta = (torch.as_tensor(timestamp, dtype=torch.long) & _TS_MASK) | (
+        (torch.as_tensor(count, dtype=torch.long) & _COUNT_MASK) << 32
+    )
+    return meta | _USED_BIT if used else meta
+
+
+def meta_timestamp(meta: torch.Tensor) -> torch.Tensor:
+    return meta & _TS_MASK
+
+
+def meta_count(meta: torch.Tensor) -> torch.Tensor:
+    return (meta >> 32) & _COUNT_MASK
+
+
+def meta_used(meta: torch.Tensor) -> torch.Tensor:
+    return meta < 0  # the used bit is the int64 sign bit
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    embedding_dim: int
+    dtype: torch.dtype
+    optimizer_floats: int  # fp32 optimizer values per row
+
+    @classmethod
+    def for_table(cls, params: KVZCHTableParams) -> "RowLayout":
+        return cls(params.embedding_dim, params.dtype,
+                   params.optimizer.state_floats(params.embedding_dim))
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def header_width(self) -> int:
+        return HEADER_BYTES // self.itemsize
+
+    @property
+    def weight_width(self) -> int:
+        return pad4(self.embedding_dim)
+
+    @property
+    def optimizer_offset(self) -> int:
+        return self.header_width + self.weight_width
+
+    @property
+    def optimizer_width(self) -> int:
+        return pad4(self.optimizer_floats * 4 // self.itemsize)
+
+    @property
+    def row_width(self) -> int:
+        return self.optimizer_offset + self.optimizer_width
+
+    def width(self, part: RowPart) -> int:
+        """Columns of a part as the store returns it (weights unpadded, optimizer in fp32)."""
+        return {RowPart.WEIGHT: self.embedding_dim, RowPart.OPTIMIZER: self.optimizer_floats,
+                RowPart.ROW: self.row_width}[RowPart(part)]
+
+    def width_offset(self, part: RowPart) -> int:
+        """Column where a part starts inside the whole row."""
+        return {RowPart.WEIGHT: self.header_width, RowPart.OPTIMIZER: self.optimizer_offset,
+                RowPart.ROW: 0}[RowPart(part)]
+
+    def part_dtype(self, part: RowPart) -> torch.dtype:
+        return torch.float32 if RowPart(part) is RowPart.OPTIMIZER else self.dtype
+
+    def pack(self, keys: torch.Tensor, meta: torch.Tensor, weights: torch.Tensor,
+             optimizer: torch.Tensor) -> torch.Tensor:
+        """Whole rows ``[n, row_width]`` from the separate parts."""
+        n = keys.numel()
+        rows = torch.zeros(n, self.row_width, dtype=self.dtype, device=keys.device)
+        header = torch.stack([keys.long(), meta.long()], dim=1)
+        rows[:, : self.header_width] = header.view(self.dtype)
+        rows[:, self.header_width : self.header_width + self.embedding_dim] = weights
+        if self.optimizer_floats:
+            opt = optimizer.to(torch.float32).contiguous().view(self.dtype)
+            rows[:, self.optimizer_offset : self.optimizer_offset + opt.shape[1]] = opt
+        return rows
+
+    def unpack(self, rows: torch.Tensor):
+        """(keys, meta, weights, optimizer) from whole rows; the inverse of ``pack``."""
+        if rows.dim() != 2 or rows.shape[1] != self.row_width or rows.dtype != self.dtype:
+            raise ValueError(
+                f"whole rows must be [n, {self.row_width}] {self.dtype}, got "
+                f"{list(rows.shape)} {rows.dtype}: was the checkpoint saved with another "
+                "embedding_dim, optimizer or weight_dtype?"
+            )
+        header = rows[:, : self.header_width].contiguous().view(torch.long)
+        weights = rows[:, self.header_width : self.header_width + self.embedding_dim]
+        opt_cols = self.optimizer_floats * 4 // self.itemsize
+        optimizer = (
+            rows[:, self.optimizer_offset : self.optimizer_offset + opt_cols]
+            .contiguous()
+            .view(torch.float32)
+        )
+        return header[:, 0], header[:, 1], weights, optimizer

@@ -1,0 +1,242 @@
+"""The DRAM row store of one table shard: rows created on demand for each global id.
+
+Physically the parts of a row live in separate arrays indexed by the id map's dense slots:
+``weights [capacity, D]`` (contiguous, so fbgemm's TBE can index it directly), ``optimizer
+[capacity, F]`` fp32 and ``meta [capacity]`` int64 (timestamp, count, used). The header key is the
+id map's ``slot -> id`` array, stored once. Capacity grows and shrinks geometrically with the
+live rows, never with the virtual table size.
+
+Reads and writes address a ``RowPart``: the weight, the optimizer state, or the whole row in the
+upstream layout (``layout.py``). Whole-row writes take each row's id from its header and skip
+rows whose used bit is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchrec_kvzch.params import BucketRange, KVZCHTableParams
+from torchrec_kvzch.store.id_map import IdMap
+from torchrec_kvzch.store.initializer import uniform_by_id
+from torchrec_kvzch.store.layout import RowLayout, RowPart, make_meta, meta_used
+
+_GROWTH = 1.5
+_MIN_ROWS = 1024
+_TS_CLEAR = ~((1 << 32) - 1)  # keeps count and used, clears the timestamp
+
+
+class RowStore:
+    def __init__(
+        self,
+        params: KVZCHTableParams,
+        bucket_range: BucketRange | None = None,
+        device: torch.device | str = "cpu",
+        backend: str = "auto",
+    ) -> None:
+        """``bucket_range``: the buckets this shard owns; ids outside it are rejected."""
+        self.params = params
+        self.layout = RowLayout.for_table(params)
+        self.bucket_range = bucket_range or BucketRange(0, params.total_num_buckets,
+                                                        params.bucket_size)
+        self.device = torch.device(device)
+        self.map = IdMap(backend, self.device)
+        self.clock = 0  # stamped into the header of rows touched by find_or_insert
+        self._alloc(_MIN_ROWS)
+
+    # -- sizes --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.map)
+
+    @property
+    def capacity(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        rows = sum(t.numel() * t.element_size() for t in (self.weights, self.optimizer, self.meta))
+        return rows + self.map.nbytes
+
+    @property
+    def live_weights(self) -> torch.Tensor:
+        """``[len, D]`` view of the weights of live rows, indexed by slot."""
+        return self.weights[: len(self)]
+
+    @property
+    def live_optimizer(self) -> torch.Tensor:
+        return self.optimizer[: len(self)]
+
+    # -- id -> slot ---------------------------------------------------------------------------
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots of ids, -1 where absent. Touches nothing."""
+        return self.map.find(ids)
+
+    def find_or_insert(self, ids: torch.Tensor, touch: bool = True) -> torch.Tensor:
+        """Slots of ids; absent ids get new rows (id-seeded weights, zero optimizer state,
+        header written). With ``touch`` the rows' timestamps become ``clock`` and their
+        counts grow by the number of occurrences."""
+        ids = self._check_ids(ids)
+        old = len(self)
+        slots = self.map.find_or_insert(ids)
+        if len(self) > old:
+            self._init_rows(old, len(self))
+        if touch and slots.numel():
+            self.meta[slots] = (self.meta[slots] & _TS_CLEAR) | (self.clock & 0xFFFFFFFF)
+            self.meta.index_add_(0, slots, torch.full_like(slots, 1 << 32))
+        return slots
+
+    def delete(self, ids: torch.Tensor) -> int:
+        """Remove the rows of ids (absent ids are ignored); returns how many were removed."""
+        before = len(self)
+        moves = self.map.erase(ids)
+        for array in (self.weights, self.optimizer, self.meta):
+            array[moves.dst] = array[moves.src]
+        if moves.new_size * 4 < self.capacity and self.capacity > _MIN_ROWS:
+            self._resize(max(_MIN_ROWS, int(moves.new_size * _GROWTH)))
+        return before - len(self)
+
+    # -- reads --------------------------------------------------------------------------------
+    def read(self, slots: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> torch.Tensor:
+        """Rows at live slots, as ``part``."""
+        part = RowPart(part)
+        slots = slots.reshape(-1).long()
+        if part is RowPart.WEIGHT:
+            return self.weights[slots]
+        if part is RowPart.OPTIMIZER:
+            return self.optimizer[slots]
+        return self.layout.pack(self.map.slot_keys[slots], self.meta[slots], self.weights[slots],
+                                self.optimizer[slots])
+
+    def read_range(self, start: int, length: int, part: RowPart = RowPart.WEIGHT) -> torch.Tensor:
+        self._check_range(start, length)
+        return self.read(torch.arange(start, start + length, device=self.device), part)
+
+    def read_ids(self, ids: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> torch.Tensor:
+        """Rows of ids; an absent id reads as zeros (as a whole row: key = id, used bit 0)."""
+        ids = self.map._check_ids(ids)
+        slots = self.find(ids)
+        hit = slots >= 0
+        out = torch.zeros(ids.numel(), self.layout.width(part), dtype=self.layout.part_dtype(part),
+                          device=self.device)
+        out[hit] = self.read(slots[hit], part)
+        if RowPart(part) is RowPart.ROW and not bool(hit.all()):
+            missing = ~hit
+            header = out[:, : self.layout.header_width]
+            keys_meta = torch.stack([ids[missing], torch.zeros_like(ids[missing])], dim=1)
+            header[missing] = keys_meta.view(self.layout.dtype)
+        return out
+
+    def sorted_ids(self) -> torch.Tensor:
+        """Live global ids in bucket order (ascending id, so ascending bucket too)."""
+        return torch.sort(self.map.keys()).values
+
+    def bucket_counts(self) -> torch.Tensor:
+        """Rows per local bucket, ``[bucket_range.num_buckets]`` int64."""
+        r = self.bucket_range
+        local = torch.div(self.map.keys(), r.size, rounding_mode="floor") - r.start
+        return torch.bincount(local, minlength=r.num_buckets)
+
+    # -- writes -------------------------------------------------------------------------------
+    def write(self, slots: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
+        """Overwrite ``part`` of live rows at ``slots`` (whole rows: weight, optimizer and the
+        header's meta word; the key is the slot's id and cannot change here)."""
+        part = RowPart(part)
+        slots = slots.reshape(-1).long()
+        values = self._check_values(values, slots.numel(), part)
+        if part is RowPart.WEIGHT:
+            self.weights[slots] = values
+        elif part is RowPart.OPTIMIZER:
+            self.optimizer[slots] = values
+        else:
+            _, meta, weights, optimizer = self.layout.unpack(values)
+            self.weights[slots] = weights
+            self.optimizer[slots] = optimizer
+            self.meta[slots] = meta | make_meta(0, 0, used=True)
+
+    def write_range(self, start: int, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
+        self._check_range(start, values.shape[0])
+        self.write(torch.arange(start, start + values.shape[0], device=self.device), values, part)
+
+    def write_ids(self, ids: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
+        """Write ``part`` of the rows of ids, creating absent rows first. For whole rows the ids
+        must equal the header keys (use ``write_rows`` to take ids from the headers)."""
+        ids = self._check_ids(ids)
+        values = self._check_values(values, ids.numel(), RowPart(part))
+        if RowPart(part) is RowPart.ROW:
+            keys = self.layout.unpack(values)[0]
+            if not torch.equal(keys, ids):
+                raise ValueError(f"table '{self.params.name}': whole-row header keys differ from "
+                                 "the ids given; use write_rows to write rows by their header key")
+            self.write_rows(values)
+            return
+        self.write(self.find_or_insert(ids, touch=False), values, part)
+
+    def write_rows(self, rows: torch.Tensor) -> int:
+        """Write whole rows by the id in each header, creating rows as needed; rows whose used
+        bit is 0 are skipped. Returns the number of rows written."""
+        rows = self._check_values(rows, rows.shape[0] if rows.dim() else -1, RowPart.ROW)
+        keys, meta, _, _ = self.layout.unpack(rows)
+        used = meta_used(meta)
+        if not bool(used.all()):
+            rows, keys = rows[used], keys[used]
+        if keys.numel() == 0:
+            return 0
+        self.write(self.find_or_insert(keys, touch=False), rows, RowPart.ROW)
+        return keys.numel()
+
+    def clear(self) -> None:
+        self.map.clear()
+        self._alloc(_MIN_ROWS)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _init_rows(self, start: int, end: int) -> None:
+        if end > self.capacity:
+            self._resize(max(end, int(self.capacity * _GROWTH)))
+        ids = self.map.slot_keys[start:end]
+        low, high = self.params.init_range
+        weights = uniform_by_id(ids, self.layout.embedding_dim, low, high, self.params.init_seed)
+        self.weights[start:end] = weights
+        self.optimizer[start:end] = 0
+        self.meta[start:end] = make_meta(self.clock, 0, used=True)
+
+    def _alloc(self, rows: int) -> None:
+        layout = self.layout
+        self.weights = torch.zeros(rows, layout.embedding_dim, dtype=layout.dtype, device=self.device)
+        self.optimizer = torch.zeros(rows, layout.optimizer_floats, dtype=torch.float32,
+                                     device=self.device)
+        self.meta = torch.zeros(rows, dtype=torch.long, device=self.device)
+
+    def _resize(self, rows: int) -> None:
+        keep = len(self)
+        old = (self.weights, self.optimizer, self.meta)
+        self._alloc(rows)
+        for new, prev in zip((self.weights, self.optimizer, self.meta), old):
+            new[:keep] = prev[:keep]
+
+    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = self.map._check_ids(ids)
+        r = self.bucket_range
+        if ids.numel() and (int(ids.max()) >= r.id_end or int(ids.min()) < r.id_start):
+            bad = ids[(ids < r.id_start) | (ids >= r.id_end)][0]
+            raise ValueError(
+                f"table '{self.params.name}': id {int(bad)} is outside this shard's ids "
+                f"[{r.id_start}, {r.id_end}) (buckets [{r.start}, {r.end}) of size {r.size}); "
+                "route ids to the rank owning their bucket (id // bucket_size)"
+            )
+        return ids
+
+    def _check_range(self, start: int, length: int) -> None:
+        if start < 0 or length < 0 or start + length > len(self):
+            raise IndexError(f"table '{self.params.name}': slot range [{start}, {start + length}) "
+                             f"is outside the {len(self)} live rows")
+
+    def _check_values(self, values: torch.Tensor, n: int, part: RowPart) -> torch.Tensor:
+        width, dtype = self.layout.width(part), self.layout.part_dtype(part)
+        if values.dim() != 2 or values.shape[0] != n or values.shape[1] != width:
+            raise ValueError(
+                f"table '{self.params.name}': {part.value} values must be [{n}, {width}], got "
+                f"{list(values.shape)}"
+            )
+        if part is RowPart.ROW and values.dtype != dtype:
+            raise ValueError(f"table '{self.params.name}': whole rows must be {dtype}, got "
+                             f"{values.dtype} (saved with another weight_dtype?)")
+        return values.to(device=self.device, dtype=dtype)

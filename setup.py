@@ -1,4 +1,4 @@
-"""Builds the native id-map op (`torchrec_kvzch._C`); everything else is in setup.cfg."""
+"""Builds the native ops (`torchrec_kvzch._C`); everything else is in setup.cfg."""
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -6,7 +6,7 @@ setup(
     ext_modules=[
         CppExtension(
             "torchrec_kvzch._C",
-            ["plugin/torchrec_kvzch/store/csrc/id_map.cpp"],
+            ["plugin/torchrec_kvzch/store/csrc/kvzch_ops.cpp"],
             # fp-contract=off keeps the id-seeded initializer bit-identical to its torch twin.
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],

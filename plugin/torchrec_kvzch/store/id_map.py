@@ -4,7 +4,7 @@ Open addressing with linear probing over a power-of-two table kept at load <= 1/
 is three tensors (``table_keys``, ``table_slots``, ``slot_keys``), and two interchangeable
 backends implement the only two kernels that touch it, ``probe`` and ``find_or_insert``:
 
-* ``NativeKernels``: the C++ op in ``csrc/id_map.cpp`` (parallel prefetching lookup, serial
+* ``NativeKernels``: the C++ op in ``csrc/kvzch_ops.cpp`` (parallel prefetching lookup, serial
   insert of the misses). The default on CPU.
 * ``TorchKernels``: the same algorithm in vectorised torch ops. The fallback when the native
   op is not built, and the path for non-CPU devices.
@@ -52,10 +52,22 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+def _capacity_for(n: int) -> int:
+    """Smallest power-of-two table holding n keys at load <= MAX_LOAD."""
+    capacity = MIN_CAPACITY
+    while n > MAX_LOAD * capacity:
+        capacity *= 2
+    return capacity
+
+
 class Kernels(Protocol):
     name: str
 
     def probe(self, table_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def lookup(
+        self, table_keys: torch.Tensor, table_slots: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor: ...
 
     def find_or_insert(
         self,
@@ -86,12 +98,13 @@ class TorchKernels:
             todo, want, pos = todo[cont], want[cont], (pos[cont] + 1) & mask
         return out
 
-    def find_or_insert(self, table_keys, table_slots, slot_keys, ids, size):
+    def lookup(self, table_keys, table_slots, ids):
         pos = self.probe(table_keys, ids)
-        hit = pos >= 0
-        out = torch.full_like(ids, -1)
-        out[hit] = table_slots[pos[hit]].long()
-        miss = ~hit
+        return torch.where(pos >= 0, table_slots[pos.clamp(min=0)].long(), -1)
+
+    def find_or_insert(self, table_keys, table_slots, slot_keys, ids, size):
+        out = self.lookup(table_keys, table_slots, ids)
+        miss = out < 0
         if not bool(miss.any()):
             return out
         missing = ids[miss]
@@ -129,12 +142,15 @@ class TorchKernels:
 
 
 class NativeKernels:
-    """The C++ op from ``csrc/id_map.cpp``."""
+    """The C++ op from ``csrc/kvzch_ops.cpp``."""
 
     name = "native"
 
     def probe(self, table_keys, ids):
         return torch.ops.kvzch.probe(table_keys, ids)
+
+    def lookup(self, table_keys, table_slots, ids):
+        return torch.ops.kvzch.lookup(table_keys, table_slots, ids)
 
     def find_or_insert(self, table_keys, table_slots, slot_keys, ids, size):
         return torch.ops.kvzch.find_or_insert(table_keys, table_slots, slot_keys, ids, size)
@@ -159,6 +175,17 @@ def native_status(strict: bool = False) -> bool:
             "`pip install --no-build-isolation -e .` (or run `make venv`)"
         )
     return _NATIVE_OK
+
+
+HUGEPAGE_BYTES = 2 << 20
+
+
+def empty_large(shape, dtype: torch.dtype, device: torch.device, native: bool) -> torch.Tensor:
+    """``torch.empty`` that asks for transparent huge pages on big CPU buffers (native op only)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if native and device.type == "cpu" and t.numel() * t.element_size() >= 4 * HUGEPAGE_BYTES:
+        torch.ops.kvzch.advise_hugepages(t)
+    return t
 
 
 def kernels_for(backend: str, device: torch.device) -> Kernels:
@@ -215,12 +242,7 @@ class IdMap:
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each id, -1 where absent."""
-        ids = self._check_ids(ids)
-        pos = self.kernels.probe(self.table_keys, ids)
-        out = torch.full_like(ids, -1)
-        hit = pos >= 0
-        out[hit] = self.table_slots[pos[hit]].long()
-        return out
+        return self.kernels.lookup(self.table_keys, self.table_slots, self._check_ids(ids))
 
     # -- updates ------------------------------------------------------------------------------
     def find_or_insert(self, ids: torch.Tensor) -> torch.Tensor:
@@ -254,6 +276,9 @@ class IdMap:
             self.table_slots[self.kernels.probe(self.table_keys, moved)] = dst.int()
             self.slot_keys[dst] = moved
         self.size = new_size
+        if new_size < self.capacity * MAX_LOAD / 4 and self.capacity > MIN_CAPACITY:
+            self.slot_keys = self.slot_keys[: max(new_size * 3 // 2, 1)].clone()
+            self._rehash(_capacity_for(new_size))
         return Compaction(src=src, dst=dst, new_size=new_size)
 
     def clear(self) -> None:
@@ -283,15 +308,13 @@ class IdMap:
                 "use more buckets/ranks"
             )
         if self.slot_keys.numel() < need:
-            grown = torch.empty(max(need, self.slot_keys.numel() * 3 // 2), dtype=torch.long,
-                                device=self.device)
+            grown = empty_large(max(need, self.slot_keys.numel() * 3 // 2), torch.long, self.device,
+                                self.kernels.name == "native")
             grown[: self.size] = self.slot_keys[: self.size]
             self.slot_keys = grown
         if self._occupied + extra > MAX_LOAD * self.capacity:
-            capacity = self.capacity
-            while need > MAX_LOAD * capacity:  # grow for live keys; tombstones are dropped
-                capacity *= 2
-            self._rehash(capacity)
+            # Rehash for the live keys (tombstones are dropped), never below the current size.
+            self._rehash(max(self.capacity, _capacity_for(need)))
 
     def _rehash(self, capacity: int) -> None:
         live = self.slot_keys[: self.size].clone()
@@ -301,5 +324,6 @@ class IdMap:
         self._occupied = self.size
 
     def _alloc_table(self, capacity: int) -> None:
-        self.table_keys = torch.full((capacity,), EMPTY, dtype=torch.long, device=self.device)
-        self.table_slots = torch.zeros(capacity, dtype=torch.int32, device=self.device)
+        native = self.kernels.name == "native"
+        self.table_keys = empty_large(capacity, torch.long, self.device, native).fill_(EMPTY)
+        self.table_slots = empty_large(capacity, torch.int32, self.device, native)

@@ -14,18 +14,28 @@ from torchrec_kvzch.store.id_map import mix64, native_status
 def uniform_by_id_torch(ids: torch.Tensor, dim: int, low: float, high: float, seed: int) -> torch.Tensor:
     salt = int(mix64(torch.tensor([seed], dtype=torch.long))[0])
     row = mix64(ids.long() ^ salt)
-    bits = mix64(row[:, None] + torch.arange(dim, device=ids.device)) >> 40
-    bits = bits & ((1 << 24) - 1)  # the logical shift's 24 random bits
+    cols = torch.arange(dim, device=ids.device)
+    h = mix64(row[:, None] + (cols >> 1))  # one hash per pair of columns
+    shift = torch.where(cols & 1 == 1, 16, 40)
+    bits = (h >> shift) & ((1 << 24) - 1)
     u = bits.to(torch.float32) * (1.0 / 16777216.0)
     # Two rounded float32 steps, in the same order as the C++ op (no fused multiply-add).
     scaled = u * torch.tensor(high - low, dtype=torch.float32)
     return scaled + torch.tensor(low, dtype=torch.float32)
 
 
-def uniform_by_id(
-    ids: torch.Tensor, dim: int, low: float, high: float, seed: int, backend: str = "auto"
-) -> torch.Tensor:
-    """float32 ``[len(ids), dim]`` uniform in ``[low, high)``, a pure function of (seed, id, column)."""
-    if backend != "torch" and ids.device.type == "cpu" and native_status():
-        return torch.ops.kvzch.uniform_by_id(ids.long(), dim, low, high, seed)
-    return uniform_by_id_torch(ids, dim, low, high, seed)
+def fill_uniform_by_id(out: torch.Tensor, ids: torch.Tensor, low: float, high: float, seed: int,
+                       native: bool | None = None) -> None:
+    """Fill ``out`` (``[len(ids), dim]``) with values uniform in ``[low, high)``, a pure function of
+    (seed, id, column). ``native=None`` uses the C++ op for CPU tensors when it is built; it
+    writes float32 rows in place, other dtypes go through one float32 temporary."""
+    if native is None:
+        native = out.device.type == "cpu" and native_status()
+    if native and out.dtype == torch.float32 and out.is_contiguous():
+        torch.ops.kvzch.uniform_by_id_(out, ids.long(), low, high, seed)
+    elif native:
+        tmp = torch.empty(out.shape, dtype=torch.float32)
+        torch.ops.kvzch.uniform_by_id_(tmp, ids.long(), low, high, seed)
+        out.copy_(tmp)
+    else:
+        out.copy_(uniform_by_id_torch(ids, out.shape[1], low, high, seed))

@@ -58,6 +58,17 @@ def meta_used(meta: torch.Tensor) -> torch.Tensor:
     return meta < 0  # the used bit is the int64 sign bit
 
 
+def touch_meta(meta: torch.Tensor, slots: torch.Tensor, clock: int, native: bool) -> None:
+    """Rows read by a batch: timestamp := clock, count += occurrences (saturating), in place."""
+    if native:
+        torch.ops.kvzch.touch(meta, slots, clock)
+        return
+    rows, hits = torch.unique(slots, return_counts=True)
+    old = meta[rows]
+    count = torch.clamp(meta_count(old) + hits, max=_COUNT_MASK)
+    meta[rows] = (old & _USED_BIT) | (count << 32) | (clock & _TS_MASK)
+
+
 @dataclass(frozen=True)
 class RowLayout:
     embedding_dim: int

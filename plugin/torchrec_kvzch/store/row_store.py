@@ -16,13 +16,12 @@ from __future__ import annotations
 import torch
 
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams
-from torchrec_kvzch.store.id_map import IdMap
-from torchrec_kvzch.store.initializer import uniform_by_id
-from torchrec_kvzch.store.layout import RowLayout, RowPart, make_meta, meta_used
+from torchrec_kvzch.store.id_map import IdMap, empty_large
+from torchrec_kvzch.store.initializer import fill_uniform_by_id
+from torchrec_kvzch.store.layout import RowLayout, RowPart, make_meta, meta_used, touch_meta
 
 _GROWTH = 1.5
 _MIN_ROWS = 1024
-_TS_CLEAR = ~((1 << 32) - 1)  # keeps count and used, clears the timestamp
 
 
 class RowStore:
@@ -32,16 +31,21 @@ class RowStore:
         bucket_range: BucketRange | None = None,
         device: torch.device | str = "cpu",
         backend: str = "auto",
+        initial_rows: int = 0,
     ) -> None:
-        """``bucket_range``: the buckets this shard owns; ids outside it are rejected."""
+        """``bucket_range``: the buckets this shard owns; ids outside it are rejected.
+        ``initial_rows``: capacity to reserve up front (e.g. the planner's expected rows)."""
         self.params = params
         self.layout = RowLayout.for_table(params)
         self.bucket_range = bucket_range or BucketRange(0, params.total_num_buckets,
                                                         params.bucket_size)
         self.device = torch.device(device)
         self.map = IdMap(backend, self.device)
+        self._native = self.map.kernels.name == "native"  # same choice for init and touch
         self.clock = 0  # stamped into the header of rows touched by find_or_insert
         self._alloc(_MIN_ROWS)
+        if initial_rows:
+            self.reserve(initial_rows)
 
     # -- sizes --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -80,8 +84,7 @@ class RowStore:
         if len(self) > old:
             self._init_rows(old, len(self))
         if touch and slots.numel():
-            self.meta[slots] = (self.meta[slots] & _TS_CLEAR) | (self.clock & 0xFFFFFFFF)
-            self.meta.index_add_(0, slots, torch.full_like(slots, 1 << 32))
+            touch_meta(self.meta, slots, self.clock, self._native)
         return slots
 
     def delete(self, ids: torch.Tensor) -> int:
@@ -91,7 +94,7 @@ class RowStore:
         for array in (self.weights, self.optimizer, self.meta):
             array[moves.dst] = array[moves.src]
         if moves.new_size * 4 < self.capacity and self.capacity > _MIN_ROWS:
-            self._resize(max(_MIN_ROWS, int(moves.new_size * _GROWTH)))
+            self._resize(max(_MIN_ROWS, int(moves.new_size * _GROWTH)), keep=moves.new_size)
         return before - len(self)
 
     # -- reads --------------------------------------------------------------------------------
@@ -183,6 +186,12 @@ class RowStore:
         self.write(self.find_or_insert(keys, touch=False), rows, RowPart.ROW)
         return keys.numel()
 
+    def reserve(self, rows: int) -> None:
+        """Make room for ``rows`` rows without further copies. Pages are committed as rows are
+        written, so reserving costs address space, not physical memory."""
+        if rows > self.capacity:
+            self._resize(rows, keep=len(self))
+
     def clear(self) -> None:
         self.map.clear()
         self._alloc(_MIN_ROWS)
@@ -190,23 +199,24 @@ class RowStore:
     # -- internals ----------------------------------------------------------------------------
     def _init_rows(self, start: int, end: int) -> None:
         if end > self.capacity:
-            self._resize(max(end, int(self.capacity * _GROWTH)))
+            self._resize(max(end, int(self.capacity * _GROWTH)), keep=start)
         ids = self.map.slot_keys[start:end]
         low, high = self.params.init_range
-        weights = uniform_by_id(ids, self.layout.embedding_dim, low, high, self.params.init_seed)
-        self.weights[start:end] = weights
+        fill_uniform_by_id(self.weights[start:end], ids, low, high, self.params.init_seed,
+                           native=self._native)
         self.optimizer[start:end] = 0
         self.meta[start:end] = make_meta(self.clock, 0, used=True)
 
     def _alloc(self, rows: int) -> None:
-        layout = self.layout
-        self.weights = torch.zeros(rows, layout.embedding_dim, dtype=layout.dtype, device=self.device)
-        self.optimizer = torch.zeros(rows, layout.optimizer_floats, dtype=torch.float32,
-                                     device=self.device)
-        self.meta = torch.zeros(rows, dtype=torch.long, device=self.device)
+        # Uninitialised on purpose: rows past len(self) are written by _init_rows before use,
+        # and zero-filling a grown table costs more than the copy.
+        layout, dev, native = self.layout, self.device, self._native
+        self.weights = empty_large((rows, layout.embedding_dim), layout.dtype, dev, native)
+        self.optimizer = empty_large((rows, layout.optimizer_floats), torch.float32, dev, native)
+        self.meta = empty_large(rows, torch.long, dev, native)
 
-    def _resize(self, rows: int) -> None:
-        keep = len(self)
+    def _resize(self, rows: int, keep: int) -> None:
+        """Reallocate to ``rows`` rows, keeping the first ``keep``."""
         old = (self.weights, self.optimizer, self.meta)
         self._alloc(rows)
         for new, prev in zip((self.weights, self.optimizer, self.meta), old):
@@ -232,9 +242,11 @@ class RowStore:
     def _check_values(self, values: torch.Tensor, n: int, part: RowPart) -> torch.Tensor:
         width, dtype = self.layout.width(part), self.layout.part_dtype(part)
         if values.dim() != 2 or values.shape[0] != n or values.shape[1] != width:
+            hint = (" (whole rows of another embedding_dim, optimizer or weight_dtype?)"
+                    if part is RowPart.ROW else "")
             raise ValueError(
                 f"table '{self.params.name}': {part.value} values must be [{n}, {width}], got "
-                f"{list(values.shape)}"
+                f"{list(values.shape)}{hint}"
             )
         if part is RowPart.ROW and values.dtype != dtype:
             raise ValueError(f"table '{self.params.name}': whole rows must be {dtype}, got "

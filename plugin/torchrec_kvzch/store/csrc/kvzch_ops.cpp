@@ -1,4 +1,4 @@
-// Native kernels of the id map (see store/id_map.py for the data structure and its torch twin).
+// Native kernels of the id map and the row store; each has a torch twin in Python.
 //
 // The table is three plain tensors owned by Python:
 //   table_keys  int64[capacity]  global id, kEmpty or kTomb; capacity is a power of two
@@ -14,6 +14,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
 
 namespace {
@@ -45,18 +49,21 @@ void check_table(const at::Tensor& table_keys, const at::Tensor& ids) {
               "kvzch id map: capacity must be a power of two, got ", capacity);
 }
 
-// Position of each id in the table, or -1 where the id is absent.
-at::Tensor probe(const at::Tensor& table_keys, const at::Tensor& ids) {
+// Walks the probe sequence of every id in parallel, prefetching the table lines of ids a few
+// steps ahead; calls on_done(i, position) with position -1 where the id is absent.
+template <typename OnDone>
+void probe_each(const at::Tensor& table_keys, const at::Tensor& ids, const int32_t* also_prefetch,
+                OnDone on_done) {
   check_table(table_keys, ids);
-  auto out = at::empty_like(ids);
   const int64_t* keys = table_keys.data_ptr<int64_t>();
   const int64_t* q = ids.data_ptr<int64_t>();
-  int64_t* o = out.data_ptr<int64_t>();
   const uint64_t mask = static_cast<uint64_t>(table_keys.numel() - 1);
   at::parallel_for(0, ids.numel(), 2048, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (i + kPrefetchDistance < end) {
-        __builtin_prefetch(keys + (mix64(q[i + kPrefetchDistance]) & mask));
+        const uint64_t ahead = mix64(q[i + kPrefetchDistance]) & mask;
+        __builtin_prefetch(keys + ahead);
+        if (also_prefetch != nullptr) __builtin_prefetch(also_prefetch + ahead);
       }
       const int64_t id = q[i];
       uint64_t pos = mix64(id) & mask;
@@ -70,9 +77,28 @@ at::Tensor probe(const at::Tensor& table_keys, const at::Tensor& ids) {
         if (k == kEmpty) break;
         pos = (pos + 1) & mask;
       }
-      o[i] = found;
+      on_done(i, found);
     }
   });
+}
+
+// Position of each id in the table, or -1 where the id is absent.
+at::Tensor probe(const at::Tensor& table_keys, const at::Tensor& ids) {
+  auto out = at::empty_like(ids);
+  int64_t* o = out.data_ptr<int64_t>();
+  probe_each(table_keys, ids, nullptr, [o](int64_t i, int64_t pos) { o[i] = pos; });
+  return out;
+}
+
+// Slot of each id, or -1 where the id is absent.
+at::Tensor lookup(const at::Tensor& table_keys, const at::Tensor& table_slots, const at::Tensor& ids) {
+  TORCH_CHECK(table_slots.scalar_type() == at::kInt && table_slots.numel() == table_keys.numel(),
+              "kvzch id map: table_slots must be int32 with the capacity of table_keys");
+  auto out = at::empty_like(ids);
+  int64_t* o = out.data_ptr<int64_t>();
+  const int32_t* slots = table_slots.data_ptr<int32_t>();
+  probe_each(table_keys, ids, slots,
+             [o, slots](int64_t i, int64_t pos) { o[i] = pos >= 0 ? slots[pos] : -1; });
   return out;
 }
 
@@ -81,23 +107,16 @@ at::Tensor probe(const at::Tensor& table_keys, const at::Tensor& ids) {
 // slot_keys length), so this never reallocates.
 at::Tensor find_or_insert(at::Tensor table_keys, at::Tensor table_slots, at::Tensor slot_keys,
                           const at::Tensor& ids, int64_t size) {
-  TORCH_CHECK(table_slots.scalar_type() == at::kInt && table_slots.numel() == table_keys.numel(),
-              "kvzch id map: table_slots must be int32 with the capacity of table_keys");
   TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous() &&
                   slot_keys.numel() >= size + ids.numel(),
               "kvzch id map: slot_keys has no room for the batch");
-  const auto positions = probe(table_keys, ids);  // parallel phase: hits resolve here
-  auto out = at::empty_like(ids);
+  auto out = lookup(table_keys, table_slots, ids);  // parallel phase: hits resolve here
   int64_t* keys = table_keys.data_ptr<int64_t>();
   int32_t* slots = table_slots.data_ptr<int32_t>();
   int64_t* inverse = slot_keys.data_ptr<int64_t>();
   const int64_t* q = ids.data_ptr<int64_t>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t n = ids.numel();
-  at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) o[i] = pos[i] >= 0 ? slots[pos[i]] : -1;
-  });
   // Serial phase over the misses only: re-probe (an earlier miss of this batch may have
   // inserted the same id), then take the first tombstone or empty position on the path.
   const uint64_t mask = static_cast<uint64_t>(table_keys.numel() - 1);
@@ -133,12 +152,16 @@ at::Tensor find_or_insert(at::Tensor table_keys, at::Tensor table_slots, at::Ten
 
 // Initial weights that depend only on (seed, id, column): rows come out the same whichever
 // rank inserts them and in whatever order, so results do not depend on the world size.
-at::Tensor uniform_by_id(const at::Tensor& ids, int64_t dim, double low, double high,
-                         int64_t seed) {
+// Each 64-bit hash yields two 24-bit uniforms (columns 2k and 2k+1). Writes into `out`
+// (float32 [n, dim], e.g. the store's new rows) so no temporary is allocated.
+void uniform_by_id_(at::Tensor out, const at::Tensor& ids, double low, double high, int64_t seed) {
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1,
-              "kvzch uniform_by_id: ids must be a 1-D int64 CPU tensor");
+              "kvzch uniform_by_id_: ids must be a 1-D int64 CPU tensor");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
+                  out.is_contiguous() && out.size(0) == ids.numel(),
+              "kvzch uniform_by_id_: out must be a contiguous float32 [len(ids), dim] CPU tensor");
+  const int64_t dim = out.size(1);
   const auto ids_c = ids.contiguous();
-  auto out = at::empty({ids.numel(), dim}, ids.options().dtype(at::kFloat));
   const int64_t* q = ids_c.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   const float scale = static_cast<float>(high - low);
@@ -147,31 +170,85 @@ at::Tensor uniform_by_id(const at::Tensor& ids, int64_t dim, double low, double 
   at::parallel_for(0, ids.numel(), 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const uint64_t row = mix64(static_cast<uint64_t>(q[i]) ^ salt);
-      for (int64_t j = 0; j < dim; ++j) {
-        const uint64_t bits = mix64(row + static_cast<uint64_t>(j)) >> 40;  // 24 random bits
+      float* out_row = o + i * dim;
+      const auto put = [&](int64_t j, uint64_t bits) {
         const float u = static_cast<float>(bits) * (1.0f / 16777216.0f);
         const float scaled = u * scale;
-        o[i * dim + j] = scaled + offset;
+        out_row[j] = scaled + offset;
+      };
+      for (int64_t j = 0; j < dim; j += 2) {
+        const uint64_t h = mix64(row + static_cast<uint64_t>(j >> 1));
+        put(j, h >> 40);
+        if (j + 1 < dim) put(j + 1, (h >> 16) & 0xFFFFFF);
       }
     }
   });
-  return out;
+}
+
+// Header update for rows read by a training batch: timestamp := clock, count += occurrences
+// (saturating at 2^31 - 1). meta packs timestamp | count << 32 | used << 63 (store/layout.py).
+void touch(at::Tensor meta, const at::Tensor& slots, int64_t clock) {
+  TORCH_CHECK(meta.device().is_cpu() && meta.scalar_type() == at::kLong && meta.is_contiguous(),
+              "kvzch touch: meta must be a contiguous int64 CPU tensor");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "kvzch touch: slots must be a contiguous 1-D int64 tensor");
+  int64_t* m = meta.data_ptr<int64_t>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const uint64_t ts = static_cast<uint64_t>(clock) & 0xFFFFFFFFULL;
+  constexpr uint64_t kCountMask = 0x7FFFFFFFULL;
+  at::parallel_for(0, slots.numel(), 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (i + kPrefetchDistance < end) __builtin_prefetch(m + s[i + kPrefetchDistance]);
+      auto* word = reinterpret_cast<uint64_t*>(m + s[i]);
+      uint64_t old = __atomic_load_n(word, __ATOMIC_RELAXED);
+      uint64_t next;
+      do {  // a row can occur several times in a batch, possibly on two threads
+        const uint64_t count = std::min<uint64_t>(((old >> 32) & kCountMask) + 1, kCountMask);
+        next = (old & (1ULL << 63)) | (count << 32) | ts;
+      } while (!__atomic_compare_exchange_n(word, &old, next, true, __ATOMIC_RELAXED,
+                                            __ATOMIC_RELAXED));
+    }
+  });
+}
+
+// Asks the kernel to back a large tensor with transparent huge pages (on systems where THP is
+// in "madvise" mode). Row stores are written at random and grow by first touch: 2 MiB pages
+// cut page faults 512x and TLB misses on lookups. Returns whether the advice was taken.
+bool advise_hugepages(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), "kvzch advise_hugepages: CPU tensors only");
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const auto end = begin + static_cast<uintptr_t>(t.numel() * t.element_size());
+  const uintptr_t first = (begin + page - 1) / page * page;
+  const uintptr_t last = end / page * page;
+  if (last <= first) return false;
+#ifdef MADV_HUGEPAGE
+  return madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE) == 0;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvzch, m) {
   m.def("probe(Tensor table_keys, Tensor ids) -> Tensor");
+  m.def("lookup(Tensor table_keys, Tensor table_slots, Tensor ids) -> Tensor");
   m.def(
       "find_or_insert(Tensor(a!) table_keys, Tensor(b!) table_slots, Tensor(c!) slot_keys, "
       "Tensor ids, int size) -> Tensor");
-  m.def("uniform_by_id(Tensor ids, int dim, float low, float high, int seed) -> Tensor");
+  m.def("uniform_by_id_(Tensor(a!) out, Tensor ids, float low, float high, int seed) -> ()");
+  m.def("touch(Tensor(a!) meta, Tensor slots, int clock) -> ()");
+  m.def("advise_hugepages(Tensor t) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(kvzch, CPU, m) {
   m.impl("probe", &probe);
+  m.impl("lookup", &lookup);
   m.impl("find_or_insert", &find_or_insert);
-  m.impl("uniform_by_id", &uniform_by_id);
+  m.impl("uniform_by_id_", &uniform_by_id_);
+  m.impl("touch", &touch);
+  m.impl("advise_hugepages", &advise_hugepages);
 }
 
 // A Python module so `import torchrec_kvzch._C` loads the library and registers the ops.

@@ -1,0 +1,126 @@
+"""The KV-ZCH parameter set: every validation error, the bucket math, fbgemm conversion."""
+
+import subprocess
+import sys
+import types
+from unittest import mock
+
+import pytest
+from hypothesis import given, strategies as st
+
+from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, OptimizerKind
+from torchrec_kvzch.params import fbgemm_kvzch_params
+
+
+def make(**kw):
+    base = dict(name="t", embedding_dim=16, num_embeddings=2**20, total_num_buckets=64)
+    base.update(kw)
+    return KVZCHTableParams(**base)
+
+
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        (dict(backend_return_whole_row=True), "backend_return_whole_row is only valid with enable_optimizer_offloading"),
+        (dict(num_embeddings=1000, total_num_buckets=64), "num_embeddings 1000 is not a multiple of total_num_buckets=64"),
+        (dict(embedding_dim=0), "embedding_dim must be a positive integer"),
+        (dict(embedding_dim=-3), "embedding_dim must be a positive integer"),
+        (dict(embedding_dim=8.0), "embedding_dim must be a positive integer"),
+        (dict(total_num_buckets=0), "total_num_buckets must be a positive integer"),
+        (dict(num_embeddings=True), "num_embeddings must be a positive integer"),
+        (dict(checkpoint_chunk_rows=0), "checkpoint_chunk_rows must be a positive integer"),
+        (dict(optimizer="lamb"), "optimizer 'lamb' is not supported; use one of EXACT_ROWWISE_ADAGRAD"),
+        (dict(learning_rate=0), "learning_rate must be a positive finite number"),
+        (dict(eps=float("nan")), "eps must be a positive finite number"),
+        (dict(betas=(0.9, 1.0)), "betas must both be in [0, 1)"),
+        (dict(init_range=(0.1, -0.1)), "init_range must be finite (low, high) with low < high"),
+        (dict(init_range=5), "init_range must be a pair of numbers"),
+        (dict(weight_dtype="bf8"), "weight_dtype 'bf8' is not supported"),
+        (dict(eviction="ttl"), "eviction must be an EvictionPolicy"),
+        (dict(eviction=EvictionPolicy(kind="random")), "eviction.kind 'random' is unknown"),
+        (dict(eviction=EvictionPolicy(kind="ttl")), "eviction.kind 'ttl' needs eviction.ttl_steps"),
+        (dict(eviction=EvictionPolicy(kind="lru", max_rows=-5)), "eviction.kind 'lru' needs eviction.max_rows"),
+        (dict(eviction=EvictionPolicy(kind="lfu", count_threshold=2, count_decay=0)), "eviction.count_decay must be in (0, 1]"),
+        (dict(name=""), "KV-ZCH table name must be a non-empty string"),
+    ],
+)
+def test_validation_errors_name_table_field_and_fix(kw, fragment):
+    with pytest.raises(ValueError) as err:
+        make(**kw)
+    assert fragment in str(err.value)
+    if kw.get("name") != "":
+        assert "KV-ZCH table 't'" in str(err.value)
+
+
+def test_validation_holds_under_python_O():
+    # Real exceptions, not asserts: `python -O` strips asserts (fbgemm's validate() relies on them).
+    code = ("from torchrec_kvzch import KVZCHTableParams as P\n"
+            "try:\n    P('t', 8, backend_return_whole_row=True)\nexcept ValueError:\n    print('raised')")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "raised"
+
+
+def test_fewer_buckets_than_ranks_is_an_error():
+    p = make(num_embeddings=64, total_num_buckets=4)
+    with pytest.raises(ValueError, match=r"total_num_buckets \(4\) is smaller than the world size \(8\)"):
+        p.bucket_range(0, 8)
+    with pytest.raises(ValueError, match="rank 3 is outside"):
+        p.bucket_range(3, 2)
+
+
+def test_optimizer_parsing_and_state_sizes():
+    assert make(optimizer="EXACT_SGD").optimizer is OptimizerKind.EXACT_SGD
+    assert make(optimizer="exact_row_wise_adagrad").optimizer is OptimizerKind.EXACT_ROWWISE_ADAGRAD
+    assert OptimizerKind.ADAM.state_floats(16) == 32
+    assert OptimizerKind.EXACT_ROWWISE_ADAGRAD.to_fbgemm().name == "EXACT_ROWWISE_ADAGRAD"
+
+
+def torchrec_buckets(num_embeddings, total, rank, world):
+    from torchrec.distributed import batched_embedding_kernel as bek
+
+    table = types.SimpleNamespace(name="t", num_embeddings=num_embeddings, total_num_buckets=total)
+    with mock.patch.object(bek.dist, "get_world_size", return_value=world), \
+            mock.patch.object(bek.dist, "get_rank", return_value=rank):
+        return bek._get_sharded_local_buckets_for_zero_collision([table])[0]
+
+
+@given(buckets=st.integers(1, 300), world=st.integers(1, 40), per_bucket=st.integers(1, 1 << 20))
+def test_bucket_split_equals_torchrec(buckets, world, per_bucket):
+    if buckets < world:
+        return
+    p = make(num_embeddings=buckets * per_bucket, total_num_buckets=buckets)
+    ranges = [p.bucket_range(r, world) for r in range(world)]
+    for rank, r in enumerate(ranges):
+        assert (r.start, r.end, r.size) == torchrec_buckets(p.num_embeddings, buckets, rank, world)
+    # Contiguous, covering, the first (buckets % world) ranks own one more.
+    assert ranges[0].start == 0 and ranges[-1].end == buckets
+    assert all(a.end == b.start for a, b in zip(ranges, ranges[1:]))
+    sizes = [r.num_buckets for r in ranges]
+    assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1
+
+
+def test_to_fbgemm_params_for_a_rank():
+    p = make(num_embeddings=10 * 2**16, total_num_buckets=10, enable_optimizer_offloading=True,
+             backend_return_whole_row=True)
+    kv = p.to_fbgemm(rank=1, world_size=3)
+    assert kv.bucket_offsets == [(4, 7)]
+    assert kv.bucket_sizes == [p.bucket_size]
+    assert kv.enable_optimizer_offloading and kv.backend_return_whole_row
+    kv.validate()  # fbgemm's own checks agree
+
+
+def test_fbgemm_group_must_agree_on_offloading():
+    a = make(name="a")
+    b = make(name="b", enable_optimizer_offloading=True)
+    with pytest.raises(ValueError, match="disagree on enable_optimizer_offloading"):
+        fbgemm_kvzch_params([a, b], 0, 2)
+    kv = fbgemm_kvzch_params([a, make(name="c", total_num_buckets=8)], 1, 2)
+    assert kv.bucket_offsets == [(32, 64), (4, 8)]
+
+
+def test_eviction_policies_convert_to_fbgemm():
+    ttl = make(eviction=EvictionPolicy(kind="ttl", ttl_steps=5)).eviction.to_fbgemm()
+    assert ttl.eviction_strategy == 0 and ttl.ttls_in_mins == [5]
+    lfu = make(eviction=EvictionPolicy(kind="lfu", count_threshold=3, count_decay=0.5)).eviction
+    lfu.to_fbgemm().validate()
+    assert make().eviction.to_fbgemm().eviction_trigger_mode == 0

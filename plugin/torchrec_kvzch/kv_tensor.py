@@ -19,6 +19,7 @@ import logging
 import torch
 
 from torchrec_kvzch.store.layout import RowPart
+from torchrec_kvzch.store.id_map import as_ids
 from torchrec_kvzch.store.row_store import RowStore
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class KVTensor:
         """``ids``: the rows to expose, in order; default, the store's live ids bucket-sorted."""
         self.store = store
         self.part = RowPart(part)
-        self.ids = store.sorted_ids() if ids is None else store.map._check_ids(ids)
+        self.ids = store.sorted_ids() if ids is None else as_ids(ids, store.device)
         self.read_only = read_only
         self._warned = False
 

@@ -202,6 +202,21 @@ def kernels_for(backend: str, device: torch.device) -> Kernels:
     return TorchKernels()
 
 
+def as_ids(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Validate a batch of global ids: a flat contiguous int64 tensor of non-negative values."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"ids must be an int64 (or int32) tensor, got {getattr(ids, 'dtype', type(ids))}"
+        )
+    ids = ids.reshape(-1).to(device=device, dtype=torch.long).contiguous()
+    if ids.numel() and int(ids.min()) < 0:
+        raise ValueError(
+            f"ids must be non-negative global ids, got {int(ids.min())}; "
+            "map or hash negative ids into [0, num_embeddings) first"
+        )
+    return ids
+
+
 @dataclass(frozen=True)
 class Compaction:
     """Row moves that keep slots dense after an erase: ``rows[dst] = rows[src]``."""
@@ -242,13 +257,13 @@ class IdMap:
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each id, -1 where absent."""
-        return self.kernels.lookup(self.table_keys, self.table_slots, self._check_ids(ids))
+        return self.kernels.lookup(self.table_keys, self.table_slots, as_ids(ids, self.device))
 
     # -- updates ------------------------------------------------------------------------------
     def find_or_insert(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each id, inserting absent ids; new slots are ``[old len, new len)`` in order of
         first appearance, so a caller initialises exactly ``keys()[old_len:]``."""
-        ids = self._check_ids(ids)
+        ids = as_ids(ids, self.device)
         self._reserve(ids.numel())
         slots = self.kernels.find_or_insert(
             self.table_keys, self.table_slots, self.slot_keys, ids, self.size
@@ -260,17 +275,18 @@ class IdMap:
 
     def erase(self, ids: torch.Tensor) -> Compaction:
         """Remove ids (absent ones are ignored) and compact; returns the row moves to mirror."""
-        ids = torch.unique(self._check_ids(ids))
+        ids = torch.unique(as_ids(ids, self.device))
         pos = self.kernels.probe(self.table_keys, ids)
         pos = pos[pos >= 0]
-        gone = self.table_slots[pos].long()
+        gone = torch.sort(self.table_slots[pos].long()).values
         self.table_keys[pos] = TOMB
         new_size = self.size - gone.numel()
         # Holes below the new end take the surviving rows from above it, both in slot order.
-        dead = torch.zeros(self.size, dtype=torch.bool, device=self.device)
-        dead[gone] = True
-        dst = torch.nonzero(dead[:new_size]).squeeze(1)
-        src = new_size + torch.nonzero(~dead[new_size:]).squeeze(1)
+        # Work is O(erased): the tail [new_size, size) has exactly len(gone) slots.
+        dst = gone[gone < new_size]
+        tail_alive = torch.ones(gone.numel(), dtype=torch.bool, device=self.device)
+        tail_alive[gone[gone >= new_size] - new_size] = False
+        src = new_size + torch.nonzero(tail_alive).squeeze(1)
         if src.numel():
             moved = self.slot_keys[src]
             self.table_slots[self.kernels.probe(self.table_keys, moved)] = dst.int()
@@ -287,19 +303,6 @@ class IdMap:
         self._alloc_table(MIN_CAPACITY)
 
     # -- internals ----------------------------------------------------------------------------
-    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(
-                f"ids must be an int64 (or int32) tensor, got {getattr(ids, 'dtype', type(ids))}"
-            )
-        ids = ids.reshape(-1).to(device=self.device, dtype=torch.long).contiguous()
-        if ids.numel() and int(ids.min()) < 0:
-            raise ValueError(
-                f"ids must be non-negative global ids, got {int(ids.min())}; "
-                "map or hash negative ids into [0, num_embeddings) first"
-            )
-        return ids
-
     def _reserve(self, extra: int) -> None:
         need = self.size + extra
         if need > MAX_SLOTS:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams
-from torchrec_kvzch.store.id_map import IdMap, empty_large
+from torchrec_kvzch.store.id_map import IdMap, as_ids, empty_large
 from torchrec_kvzch.store.initializer import fill_uniform_by_id
 from torchrec_kvzch.store.layout import RowLayout, RowPart, make_meta, meta_used, touch_meta
 
@@ -115,7 +115,7 @@ class RowStore:
 
     def read_ids(self, ids: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> torch.Tensor:
         """Rows of ids; an absent id reads as zeros (as a whole row: key = id, used bit 0)."""
-        ids = self.map._check_ids(ids)
+        ids = as_ids(ids, self.device)
         slots = self.find(ids)
         hit = slots >= 0
         out = torch.zeros(ids.numel(), self.layout.width(part), dtype=self.layout.part_dtype(part),
@@ -223,7 +223,7 @@ class RowStore:
             new[:keep] = prev[:keep]
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = self.map._check_ids(ids)
+        ids = as_ids(ids, self.device)
         r = self.bucket_range
         if ids.numel() and (int(ids.max()) >= r.id_end or int(ids.min()) < r.id_start):
             bad = ids[(ids < r.id_start) | (ids >= r.id_end)][0]

@@ -10,13 +10,13 @@ TORCHREC := torchrec==1.8.0
 venv: $(STAMP)
 
 # Rebuilt when the pins, the packaging or the native sources change. Idempotent: a second run
-# finds the stamp and does nothing.
+# finds the stamp and does nothing. The plugin is installed with --no-build-isolation so the C++
+# op compiles against the torch installed here (an isolated build would download a multi-GB
+# CUDA torch).
 $(STAMP): requirements.txt setup.py setup.cfg pyproject.toml $(wildcard plugin/torchrec_kvzch/store/csrc/*.cpp)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHREC)
-	# --no-build-isolation: the C++ id-map op compiles against the torch installed above
-	# (an isolated build would download a multi-GB CUDA torch).
 	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(VPY) -c "import torchrec, fbgemm_gpu, torchrec_kvzch; torchrec_kvzch.native_status(strict=True)"
 	touch $@

@@ -1,0 +1,147 @@
+"""The compute kernel of one KV-ZCH table shard: ids -> store slots -> fbgemm TBE over the rows.
+
+fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` does the lookup, the backward and the fused
+optimizer update. Instead of owning its weights it is bound, before every forward, to the row
+store's arrays: its weights are ``store.weights`` and its optimizer state ``store.optimizer``,
+and the ids it sees are the store's dense slots. So the update lands directly in the store,
+with no gradient the size of the table and no copy of the rows.
+
+One hazard follows: the fused backward writes into the arrays the forward saw. If the store
+reallocated in between (it grows geometrically), those writes would go to a dropped buffer.
+The kernel therefore tracks whether a backward is pending and refuses to grow the store in that
+window, with an error that says how to avoid it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+    BoundsCheckMode,
+    EmbeddingLocation,
+    PoolingMode,
+)
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch import nn
+
+from torchrec_kvzch.params import BucketRange, KVZCHTableParams, OptimizerKind
+from torchrec_kvzch.store.row_store import RowStore
+
+_CPU_OPTIMIZERS = (OptimizerKind.EXACT_ROWWISE_ADAGRAD, OptimizerKind.EXACT_SGD)
+_PRECISION = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}
+
+
+class KVZCHTableKernel(nn.Module):
+    """Lookup + fused update for the features of one KV-ZCH table on one rank.
+
+    ``forward(ids, offsets, per_sample_weights)`` takes global ids in TBE's jagged layout
+    (``offsets`` over features x batch, features of this table only) and returns pooled
+    ``[B, F * D]`` (``pooling`` SUM or MEAN) or per-id ``[len(ids), D]`` rows (NONE).
+    """
+
+    def __init__(
+        self,
+        params: KVZCHTableParams,
+        bucket_range: BucketRange,
+        num_features: int = 1,
+        pooling: PoolingMode = PoolingMode.SUM,
+        device: torch.device | str = "cpu",
+        backend: str = "auto",
+        initial_rows: int = 0,
+    ) -> None:
+        super().__init__()
+        self.params = params
+        self.device = torch.device(device)
+        self.num_features = num_features
+        on_cuda = self.device.type == "cuda"
+        if params.embedding_dim % 4:
+            raise ValueError(
+                f"KV-ZCH table '{params.name}': embedding_dim {params.embedding_dim} is not a "
+                "multiple of 4, which fbgemm's TBE kernels require; pad the dimension"
+            )
+        if not on_cuda and params.optimizer not in _CPU_OPTIMIZERS:
+            raise ValueError(
+                f"KV-ZCH table '{params.name}': optimizer {params.optimizer.name} has no CPU kernel "
+                "in fbgemm-gpu; use exact_rowwise_adagrad or exact_sgd on CPU (Adam runs on CUDA)"
+            )
+        self.store = RowStore(params, bucket_range, self.device, backend, initial_rows)
+        location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
+        compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            # One placeholder row: the real rows are bound from the store in _bind().
+            [(1, params.embedding_dim, location, compute)],
+            feature_table_map=[0] * num_features,
+            optimizer=params.optimizer.to_fbgemm(),
+            learning_rate=params.learning_rate,
+            eps=params.eps,
+            beta1=params.betas[0],
+            beta2=params.betas[1],
+            pooling_mode=pooling,
+            weights_precision=_PRECISION[params.dtype],
+            output_dtype=SparseType.FP32,
+            bounds_check_mode=BoundsCheckMode.NONE,  # slots come from the store, always in range
+            device=self.device,
+        )
+        self._suffix = "dev" if on_cuda else "host"
+        self._bound: torch.Tensor | None = None
+        self._backward_pending = False
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        training = torch.is_grad_enabled()
+        if training and self._backward_pending:
+            self._refuse_growth(ids.numel())
+        self.store.clock += 1
+        slots = self.store.find_or_insert(ids)
+        self._bind()
+        out = self.tbe(slots, offsets.long(), per_sample_weights)
+        if training and out.requires_grad:
+            self._backward_pending = True
+            out.register_hook(self._on_backward)
+        return out
+
+    def _on_backward(self, grad: torch.Tensor) -> None:
+        # Runs as the output's gradient arrives, i.e. just before fbgemm's fused update.
+        self._backward_pending = False
+
+    def _refuse_growth(self, batch: int) -> None:
+        if len(self.store) + batch > self.store.capacity:
+            raise RuntimeError(
+                f"KV-ZCH table '{self.params.name}': a second forward before the backward of the "
+                "first would have to grow the row store, which would drop the pending fused "
+                "update; run backward between forwards, or reserve capacity up front "
+                "(RowStore.reserve / the planner's expected_rows)"
+            )
+
+    def _bind(self) -> None:
+        """Point fbgemm's TBE at the store's current arrays (cheap; re-done after growth)."""
+        store = self.store
+        if self._bound is store.weights:
+            return
+        rows = store.capacity
+        self._set_tensor(f"weights_{self._suffix}", store.weights.view(-1))
+        if store.optimizer.shape[1]:
+            self._set_tensor(f"momentum1_{self._suffix}", store.optimizer.view(-1))
+        # Per-feature hash offsets (one table: all 0) and the total, used to sort in backward.
+        self.tbe.hash_size_cumsum = torch.tensor(
+            [0] * self.num_features + [rows], dtype=torch.long, device=self.device
+        )
+        self.tbe.total_hash_size_bits = int(math.log2(rows) + 1)
+        self.tbe.rows_per_table = torch.tensor([rows], dtype=torch.long, device=self.device)
+        self._bound = store.weights
+
+    def _set_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        current = getattr(self.tbe, name)
+        if isinstance(current, nn.Parameter):
+            tensor = nn.Parameter(tensor, requires_grad=current.requires_grad)
+        setattr(self.tbe, name, tensor)

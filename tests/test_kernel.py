@@ -1,0 +1,108 @@
+"""The kernel against fbgemm's own TBE on a dense table: same outputs, rows and optimizer state."""
+
+import pytest
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from hypothesis import given, strategies as st
+
+from torchrec_kvzch import KVZCHTableParams
+from torchrec_kvzch.kernel import KVZCHTableKernel
+from torchrec_kvzch.store.layout import RowPart
+
+POOLINGS = [PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE]
+
+
+def dense_twin(kernel: KVZCHTableKernel, universe: torch.Tensor, pooling) -> SplitTableBatchedEmbeddingBagsCodegen:
+    """fbgemm TBE whose row r starts equal to the KV row of universe[r]."""
+    p = kernel.params
+    twin = SplitTableBatchedEmbeddingBagsCodegen(
+        [(universe.numel(), p.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        feature_table_map=[0] * kernel.num_features, optimizer=p.optimizer.to_fbgemm(),
+        learning_rate=p.learning_rate, eps=p.eps, pooling_mode=pooling)
+    kernel.store.find_or_insert(universe, touch=False)
+    with torch.no_grad():
+        twin.weights_host.copy_(kernel.store.read_ids(universe).view(-1))
+    return twin
+
+
+@given(
+    dim=st.sampled_from([4, 8, 12, 20]),
+    features=st.integers(1, 3),
+    batch=st.integers(1, 9),
+    max_len=st.integers(0, 6),
+    pooling=st.sampled_from(POOLINGS),
+    optimizer=st.sampled_from(["exact_rowwise_adagrad", "exact_sgd"]),
+    weighted=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_kernel_matches_fbgemm_tbe_over_training_steps(dim, features, batch, max_len, pooling,
+                                                       optimizer, weighted, seed):
+    weighted = weighted and pooling is not PoolingMode.NONE  # fbgemm: weights only when pooled
+    gen = torch.Generator().manual_seed(seed)
+    p = KVZCHTableParams("t", dim, num_embeddings=2**62, total_num_buckets=64, optimizer=optimizer,
+                         learning_rate=0.05, init_range=(-0.5, 0.5))
+    kernel = KVZCHTableKernel(p, p.bucket_range(0, 1), num_features=features, pooling=pooling)
+    # Ids far beyond 2^32; the twin sees their index in `universe` instead.
+    universe = torch.randint(0, 2**62, (40,), generator=gen).unique()
+    twin = dense_twin(kernel, universe, pooling)
+    for _ in range(3):
+        lengths = torch.randint(0, max_len + 1, (features * batch,), generator=gen)
+        local = torch.randint(0, universe.numel(), (int(lengths.sum()),), generator=gen)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        psw = torch.rand(local.numel(), generator=gen) if weighted else None
+        out = kernel(universe[local], offsets, psw)
+        want = twin(local, offsets, psw)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        grad = torch.randn(out.shape, generator=gen)
+        out.backward(grad)
+        want.backward(grad)
+    rows = twin.weights_host.view(universe.numel(), dim)
+    torch.testing.assert_close(kernel.store.read_ids(universe), rows, rtol=1e-5, atol=1e-5)
+    if optimizer == "exact_rowwise_adagrad":
+        torch.testing.assert_close(kernel.store.read_ids(universe, RowPart.OPTIMIZER).view(-1),
+                                   twin.momentum1_host, rtol=1e-5, atol=1e-5)
+
+
+def test_growth_during_training_keeps_updates():
+    """Rows created over many steps force several reallocations; updates must survive each."""
+    p = KVZCHTableParams("g", 4, num_embeddings=2**40, total_num_buckets=8, learning_rate=0.1)
+    kernel = KVZCHTableKernel(p, p.bucket_range(0, 1))
+    gen = torch.Generator().manual_seed(0)
+    seen = torch.empty(0, dtype=torch.long)
+    for _ in range(12):
+        ids = torch.randint(0, 2**40, (700,), generator=gen)
+        offsets = torch.arange(0, 701, 7)
+        kernel(ids, offsets).sum().backward()
+        seen = torch.cat([seen, ids])
+    assert len(kernel.store) == seen.unique().numel() and kernel.store.capacity > 1024
+    accumulators = kernel.store.read_ids(seen.unique(), RowPart.OPTIMIZER)
+    assert (accumulators > 0).all()  # every row received its fused update
+
+
+def test_second_forward_that_would_grow_before_backward_is_refused():
+    p = KVZCHTableParams("h", 4, num_embeddings=2**40, total_num_buckets=8)
+    kernel = KVZCHTableKernel(p, p.bucket_range(0, 1))
+    first = kernel(torch.arange(10), torch.tensor([0, 5, 10]))
+    with pytest.raises(RuntimeError, match="a second forward before the backward"):
+        kernel(torch.arange(10, 5000), torch.tensor([0, 4990]))
+    assert len(kernel.store) == 10  # refused before any change
+    first.sum().backward()
+    kernel(torch.arange(10, 5000), torch.tensor([0, 4990])).sum().backward()  # fine now
+    with torch.no_grad():  # evaluation never holds a pending update
+        kernel(torch.arange(10**6, 10**6 + 3000), torch.tensor([0, 3000]))
+
+
+def test_dims_fbgemm_cannot_run_are_refused_with_a_clear_error():
+    p = KVZCHTableParams("d", 6, num_embeddings=2**40, total_num_buckets=8)
+    with pytest.raises(ValueError, match="embedding_dim 6 is not a multiple of 4"):
+        KVZCHTableKernel(p, p.bucket_range(0, 1))
+
+
+def test_adam_is_refused_on_cpu_with_a_clear_error():
+    p = KVZCHTableParams("a", 4, num_embeddings=2**40, total_num_buckets=8, optimizer="adam")
+    with pytest.raises(ValueError, match="Adam runs on CUDA"):
+        KVZCHTableKernel(p, p.bucket_range(0, 1))

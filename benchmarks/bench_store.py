@@ -14,31 +14,18 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from _common import median_ms, same_huge_pages_for_the_baseline
 from torchrec_kvzch import KVZCHTableParams, RowStore
 from torchrec_kvzch.store.id_map import IdMap
 
 ID_SPACE = 2**50
 BATCH = 8192 * 20
 NEW_FRACTION = 0.2
-
-
-def median_ms(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 class BatchSource:
@@ -155,14 +142,6 @@ def plot(results: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def same_huge_pages_for_the_baseline() -> None:
-    """Our store madvises its arrays to huge pages; give fbgemm's TBE weights the same by setting
-    torch's switch, which torch reads at its first allocation, hence the re-exec."""
-    if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":
-        env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1")
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def main() -> None:

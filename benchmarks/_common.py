@@ -1,0 +1,36 @@
+"""Helpers shared by the benchmarks: timing, huge pages for the baseline, id distributions."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def median_ms(fn, reps: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` in ms, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def same_huge_pages_for_the_baseline() -> None:
+    """Our store madvises its arrays to huge pages; give fbgemm's TBE weights the same by setting
+    torch's switch, which torch reads at its first allocation, hence the re-exec."""
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":
+        env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def zipf_ranks(n: int, size: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
+    """``size`` draws of ranks in ``[0, n)`` with P(rank k) proportional to 1 / (k + 1)^alpha."""
+    weights = torch.arange(1, n + 1, dtype=torch.float64).pow(-alpha)
+    return torch.multinomial(weights, size, replacement=True, generator=gen)

@@ -157,12 +157,14 @@ class KVZCHTableParams:
     backend_return_whole_row: bool = False
     eviction: EvictionPolicy = field(default_factory=EvictionPolicy)
     checkpoint_chunk_rows: int = 65536
+    expected_rows: int = 1_000_000  # live rows over all ranks; sizes the planner's DRAM estimate
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"KV-ZCH table name must be a non-empty string, got {self.name!r}")
         fail = self._fail
-        for name in ("embedding_dim", "num_embeddings", "total_num_buckets", "checkpoint_chunk_rows"):
+        for name in ("embedding_dim", "num_embeddings", "total_num_buckets", "checkpoint_chunk_rows",
+                     "expected_rows"):
             if not _positive_int(getattr(self, name)):
                 fail(name, f"must be a positive integer, got {getattr(self, name)!r}",
                      "pass a value >= 1")
@@ -229,6 +231,12 @@ class KVZCHTableParams:
                        f"({self.total_num_buckets}) is smaller than the world size ({world_size}), "
                        "so some ranks would own no bucket",
                        f"use at least {world_size} buckets (a multiple of the world size is best)")
+
+    def expected_shard_rows(self, bucket_range: BucketRange) -> int:
+        """Expected live rows of one shard: ``expected_rows`` in proportion to its buckets
+        (ids spread evenly over buckets), at most the shard's id range."""
+        share = -(-self.expected_rows * bucket_range.num_buckets // self.total_num_buckets)
+        return min(share, bucket_range.num_buckets * bucket_range.size)
 
     def to_fbgemm(self, rank: int, world_size: int):
         """fbgemm's ``KVZCHParams`` for this table's shard on ``rank``."""

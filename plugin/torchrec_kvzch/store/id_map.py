@@ -52,7 +52,7 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def _capacity_for(n: int) -> int:
+def capacity_for(n: int) -> int:
     """Smallest power-of-two table holding n keys at load <= MAX_LOAD."""
     capacity = MIN_CAPACITY
     while n > MAX_LOAD * capacity:
@@ -294,7 +294,7 @@ class IdMap:
         self.size = new_size
         if new_size < self.capacity * MAX_LOAD / 4 and self.capacity > MIN_CAPACITY:
             self.slot_keys = self.slot_keys[: max(new_size * 3 // 2, 1)].clone()
-            self._rehash(_capacity_for(new_size))
+            self._rehash(capacity_for(new_size))
         return Compaction(src=src, dst=dst, new_size=new_size)
 
     def clear(self) -> None:
@@ -317,7 +317,7 @@ class IdMap:
             self.slot_keys = grown
         if self._occupied + extra > MAX_LOAD * self.capacity:
             # Rehash for the live keys (tombstones are dropped), never below the current size.
-            self._rehash(max(self.capacity, _capacity_for(need)))
+            self._rehash(max(self.capacity, capacity_for(need)))
 
     def _rehash(self, capacity: int) -> None:
         live = self.slot_keys[: self.size].clone()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams
-from torchrec_kvzch.store.id_map import IdMap, as_ids, empty_large
+from torchrec_kvzch.store.id_map import IdMap, as_ids, capacity_for, empty_large
 from torchrec_kvzch.store.initializer import fill_uniform_by_id
 from torchrec_kvzch.store.layout import RowLayout, RowPart, make_meta, meta_used, touch_meta
 
@@ -68,6 +68,14 @@ class RowStore:
     @property
     def live_optimizer(self) -> torch.Tensor:
         return self.optimizer[: len(self)]
+
+    @staticmethod
+    def estimated_bytes(layout: RowLayout, rows: int) -> int:
+        """Upper bound on what a store holding ``rows`` rows occupies: row arrays and the slot
+        array at their largest growth slack, plus the hash table (what the planner counts)."""
+        row_bytes = (layout.embedding_dim * layout.itemsize + layout.optimizer_floats * 4
+                     + 8 + 8)  # weights, optimizer, meta word, slot -> id
+        return int(rows * row_bytes * _GROWTH) + capacity_for(rows) * 12
 
     # -- id -> slot ---------------------------------------------------------------------------
     def find(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,27 @@
+"""TorchRec integration: kernels, the sharding extension chain, table configs, the planner."""
+
+from torchrec_kvzch.sharding.kernels import KVZCHEmbeddingKernel
+from torchrec_kvzch.sharding.modules import (
+    KVZCH_KERNEL,
+    KVZCHEmbeddingBagCollectionSharder,
+    KVZCHEmbeddingCollectionSharder,
+    KVZCHParameterSharding,
+    kvzch_sharders,
+)
+from torchrec_kvzch.sharding.tables import (
+    kvzch_embedding_bag_config,
+    kvzch_embedding_config,
+    kvzch_tables,
+)
+
+__all__ = [
+    "KVZCH_KERNEL",
+    "KVZCHEmbeddingBagCollectionSharder",
+    "KVZCHEmbeddingCollectionSharder",
+    "KVZCHEmbeddingKernel",
+    "KVZCHParameterSharding",
+    "kvzch_embedding_bag_config",
+    "kvzch_embedding_config",
+    "kvzch_sharders",
+    "kvzch_tables",
+]

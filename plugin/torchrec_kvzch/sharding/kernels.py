@@ -1,0 +1,145 @@
+"""TorchRec-facing kernels: what a row-wise lookup runs for a group of KV-ZCH tables.
+
+TorchRec hands a kernel the group's features as a KeyedJaggedTensor whose ids are *local*:
+row-wise input distribution subtracts the shard's first row. A KV-ZCH table is keyed by global
+ids, so the kernel adds the shard's row offset back before the store sees them. The shard's
+rows must be whole buckets; the bucket range is derived from the shard metadata and checked
+against our own split.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torch import nn
+from torchrec.distributed.embedding_kernel import BaseEmbedding
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig, ShardedEmbeddingTable
+from torchrec.distributed.types import ShardingType
+from torchrec.modules.embedding_configs import pooling_type_to_pooling_mode
+from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_kvzch.kernel import KVZCHTableKernel
+from torchrec_kvzch.params import BucketRange, KVZCHTableParams
+
+FUSED_PARAMS_KEY = "kvzch_tables"  # fused-params entry carrying the tables' KVZCHTableParams
+
+
+def shard_bucket_range(params: KVZCHTableParams, table: ShardedEmbeddingTable,
+                       pg: dist.ProcessGroup | None) -> BucketRange:
+    """The buckets of this shard, from TorchRec's shard metadata, checked against our split."""
+    offset = table.local_metadata.shard_offsets[0] if table.local_metadata else 0
+    rows, size = table.local_rows, params.bucket_size
+    if offset % size or rows % size:
+        raise ValueError(
+            f"KV-ZCH table '{params.name}': shard rows [{offset}, {offset + rows}) are not whole "
+            f"buckets of {size} ids; declare the table with use_virtual_table=True and "
+            f"total_num_buckets={params.total_num_buckets} (kvzch_embedding_bag_config does)"
+        )
+    got = BucketRange(offset // size, (offset + rows) // size, size)
+    if pg is not None and dist.is_initialized():
+        want = params.bucket_range(dist.get_rank(pg), dist.get_world_size(pg))
+        if want != got:
+            raise ValueError(f"KV-ZCH table '{params.name}': TorchRec placed buckets "
+                             f"[{got.start}, {got.end}) on this rank, expected [{want.start}, {want.end})")
+    return got
+
+
+class KVZCHFusedOptimizer(FusedOptimizer):
+    """The optimizer step runs inside backward (fbgemm's fused update); step() has nothing to do.
+    Optimizer state lives in the row store."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        super().__init__(params, {p: {} for p in params.values()},
+                         [{"params": list(params.values())}])
+
+    def step(self, closure: Any = None) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        pass
+
+
+class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
+    """All KV-ZCH tables of one group on this rank; pooled (EBC) or sequence (EC) output."""
+
+    def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None,
+                 device: torch.device | None, sharding_type: ShardingType | None,
+                 pooled: bool) -> None:
+        """Pooled kernels pool as TorchRec's own would for ``sharding_type``: under row-wise
+        sharding MEAN runs as SUM here and TorchRec divides after the reduce-scatter."""
+        BaseEmbedding.__init__(self)
+        self._config = config
+        self._pooled = pooled
+        device = device or torch.device("cpu")
+        by_name = {p.name: p for p in (config.fused_params or {}).get(FUSED_PARAMS_KEY, ())}
+        self.tables = nn.ModuleDict()
+        self._row_offsets: list[int] = []
+        self._features_per_table: list[int] = []
+        for table in config.embedding_tables:
+            params = by_name.get(table.name)
+            if params is None:
+                raise ValueError(
+                    f"table '{table.name}' is planned with the KV-ZCH kernel but carries no "
+                    "KVZCHTableParams; plan with KVZCHShardingPlanner or use KVZCHParameterSharding"
+                )
+            if (params.embedding_dim, params.num_embeddings) != (table.local_cols, table.num_embeddings):
+                raise ValueError(
+                    f"KV-ZCH table '{table.name}': the model declares {table.num_embeddings} x "
+                    f"{table.local_cols} but its KVZCHTableParams say {params.num_embeddings} x "
+                    f"{params.embedding_dim}; make them agree"
+                )
+            buckets = shard_bucket_range(params, table, pg)
+            pooling = (pooling_type_to_pooling_mode(config.pooling, sharding_type) if pooled
+                       else PoolingMode.NONE)
+            self.tables[table.name] = KVZCHTableKernel(
+                params, buckets, table.num_features(), pooling, device,
+                initial_rows=params.expected_shard_rows(buckets))
+            self._row_offsets.append(buckets.id_start)
+            self._features_per_table.append(table.num_features())
+        self._optim = KVZCHFusedOptimizer(
+            {f"{name}.weight": torch.empty(0) for name in self.tables})
+
+    @property
+    def config(self) -> GroupedEmbeddingConfig:
+        return self._config
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optim
+
+    def forward(self, features: KeyedJaggedTensor, **vbe: Any) -> torch.Tensor:
+        if features.variable_stride_per_key() or vbe:
+            raise NotImplementedError(
+                "KV-ZCH tables do not support variable batch sizes per feature (VBE) yet")
+        parts = (features.split(self._features_per_table) if len(self.tables) > 1 else [features])
+        outs = []
+        for kernel, kjt, offset in zip(self.tables.values(), parts, self._row_offsets):
+            ids = kjt.values().long() + offset  # local -> global ids
+            outs.append(kernel(ids, kjt.offsets(), kjt.weights_or_none()))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1 if self._pooled else 0)
+
+    # -- what TorchRec's sharded modules call on a kernel ------------------------------------
+    # The rows live in the store, not in parameters: nothing is exposed as a parameter or
+    # buffer (checkpoints go through state-dict hooks over KV tensors).
+    def named_parameters_by_table(self) -> Iterator[tuple[str, nn.Parameter]]:
+        yield from ()
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        yield from ()
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        yield from ()
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        return {} if destination is None else destination
+
+    def flush(self) -> None:
+        pass
+
+    def purge(self) -> None:
+        pass
+

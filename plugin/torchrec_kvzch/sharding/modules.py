@@ -1,0 +1,180 @@
+"""TorchRec's CUSTOMIZED_KERNEL extension chain, subclassed for KV-ZCH tables.
+
+sharder.shard() -> sharded EBC/EC -> row-wise sharding -> lookup -> KVZCHEmbeddingKernel.
+
+Every step is a subclass of a public TorchRec class overriding one factory method; tables on
+other kernels (e.g. FUSED) in the same module go through the stock code unchanged. The
+sharders also offer ROW_WISE on CPU, where TorchRec's stock sharders offer it only on CUDA
+(its row-wise input distribution works on CPU with gloo).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from torchrec.distributed.embedding_lookup import (
+    GroupedEmbeddingsLookup,
+    GroupedPooledEmbeddingsLookup,
+)
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+    replace_placement_with_meta_device,
+)
+from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.types import ParameterSharding, ShardingType
+
+from torchrec_kvzch.params import KVZCHTableParams
+from torchrec_kvzch.sharding.kernels import FUSED_PARAMS_KEY, KVZCHEmbeddingKernel
+
+KVZCH_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+ROW_WISE = ShardingType.ROW_WISE.value
+
+
+@dataclasses.dataclass
+class KVZCHParameterSharding(ParameterSharding):
+    """A table's placement plus its KV-ZCH options; TorchRec merges
+    ``get_additional_fused_params()`` into the fused params its kernel is built from."""
+
+    kvzch: KVZCHTableParams | None = None
+
+    def get_additional_fused_params(self) -> dict[str, Any]:
+        return {FUSED_PARAMS_KEY: (self.kvzch,)}
+
+    @classmethod
+    def wrap(cls, sharding: ParameterSharding, params: KVZCHTableParams) -> "KVZCHParameterSharding":
+        fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
+        return cls(**fields, kvzch=params)
+
+
+# -- lookups: build our kernel for KV-ZCH groups, the stock one otherwise ---------------------
+class KVZCHPooledLookup(GroupedPooledEmbeddingsLookup):
+    def _create_embedding_kernel(self, config, device, pg, sharding_type, env):
+        if config.compute_kernel.value == KVZCH_KERNEL:
+            return KVZCHEmbeddingKernel(config, pg, device, sharding_type, pooled=True)
+        return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
+
+
+class KVZCHSequenceLookup(GroupedEmbeddingsLookup):
+    def _create_embedding_kernel(self, config, pg, device, env=None):
+        if config.compute_kernel.value == KVZCH_KERNEL:
+            return KVZCHEmbeddingKernel(config, pg, device, None, pooled=False)
+        return super()._create_embedding_kernel(config, pg, device, env)
+
+
+# -- row-wise shardings that create those lookups --------------------------------------------
+class KVZCHRwPooledSharding(RwPooledEmbeddingSharding):
+    def create_lookup(self, device=None, fused_params=None, feature_processor=None):
+        return KVZCHPooledLookup(
+            grouped_configs=self._grouped_embedding_configs, pg=self._pg,
+            device=device if device is not None else self._device,
+            feature_processor=feature_processor, sharding_type=ShardingType.ROW_WISE,
+            env=self._env)
+
+
+class KVZCHRwSequenceSharding(RwSequenceEmbeddingSharding):
+    def create_lookup(self, device=None, fused_params=None, feature_processor=None):
+        return KVZCHSequenceLookup(
+            grouped_configs=self._grouped_embedding_configs, pg=self._pg,
+            device=device if device is not None else self._device, env=self._env)
+
+
+# -- sharded modules ---------------------------------------------------------------------------
+class _KVZCHModuleMixin:
+    """What TorchRec's sharded modules need changed for tables whose rows live in a store."""
+
+    _configs_attr: str  # the instance attribute listing the module's table configs
+
+    def _kvzch_tables(self) -> set[str]:
+        return {t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == KVZCH_KERNEL}
+
+    def reset_parameters(self) -> None:
+        # Stock reset re-initialises every table's dense weight; ours have none (the store
+        # creates rows id-seeded on first use). Run it over the other tables only.
+        configs = getattr(self, self._configs_attr)
+        kvzch = self._kvzch_tables()
+        setattr(self, self._configs_attr, [c for c in configs if c.name not in kvzch])
+        try:
+            super().reset_parameters()
+        finally:
+            setattr(self, self._configs_attr, configs)
+
+
+class KVZCHShardedEmbeddingBagCollection(_KVZCHModuleMixin, ShardedEmbeddingBagCollection):
+    _configs_attr = "_embedding_bag_configs"
+
+    @classmethod
+    def create_embedding_bag_sharding(cls, sharding_infos, env, device=None,
+                                      permute_embeddings=False, qcomm_codecs_registry=None):
+        if sharding_infos[0].param_sharding.sharding_type != ROW_WISE:
+            return super().create_embedding_bag_sharding(
+                sharding_infos, env, device, permute_embeddings, qcomm_codecs_registry)
+        if device is not None and device.type == "meta":
+            replace_placement_with_meta_device(sharding_infos)
+        return KVZCHRwPooledSharding(sharding_infos, env, device,
+                                     qcomm_codecs_registry=qcomm_codecs_registry)
+
+
+class KVZCHShardedEmbeddingCollection(_KVZCHModuleMixin, ShardedEmbeddingCollection):
+    _configs_attr = "_embedding_configs"
+
+    @classmethod
+    def create_embedding_sharding(cls, sharding_type, sharding_infos, env, device=None,
+                                  qcomm_codecs_registry=None):
+        if sharding_type != ROW_WISE:
+            return super().create_embedding_sharding(sharding_type, sharding_infos, env, device,
+                                                     qcomm_codecs_registry)
+        return KVZCHRwSequenceSharding(sharding_infos=sharding_infos, env=env, device=device,
+                                       qcomm_codecs_registry=qcomm_codecs_registry)
+
+
+# -- sharders ----------------------------------------------------------------------------------
+class _KVZCHSharderMixin:
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = list(super().sharding_types(compute_device_type))
+        return types if ROW_WISE in types else [*types, ROW_WISE]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
+        return [*kernels, KVZCH_KERNEL] if sharding_type == ROW_WISE else kernels
+
+
+class KVZCHEmbeddingBagCollectionSharder(_KVZCHSharderMixin, EmbeddingBagCollectionSharder):
+    """Shards EmbeddingBagCollections whose KV-ZCH tables use our kernel; other tables as usual."""
+
+    def shard(self, module, params, env, device=None, module_fqn=None):
+        return KVZCHShardedEmbeddingBagCollection(
+            module=module, table_name_to_parameter_sharding=params, env=env,
+            fused_params=self.fused_params, device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite)
+
+    @property
+    def sharded_module_type(self):
+        return KVZCHShardedEmbeddingBagCollection
+
+
+class KVZCHEmbeddingCollectionSharder(_KVZCHSharderMixin, EmbeddingCollectionSharder):
+    """Shards EmbeddingCollections whose KV-ZCH tables use our kernel; other tables as usual."""
+
+    def shard(self, module, params, env, device=None, module_fqn=None):
+        return KVZCHShardedEmbeddingCollection(
+            module, params, env, self.fused_params, device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            use_index_dedup=self._use_index_dedup, module_fqn=module_fqn)
+
+    @property
+    def sharded_module_type(self):
+        return KVZCHShardedEmbeddingCollection
+
+
+def kvzch_sharders(fused_params: dict[str, Any] | None = None) -> list:
+    """Sharders for models mixing KV-ZCH and ordinary tables. ``fused_params`` configure the
+    ordinary (FUSED) tables, e.g. ``{"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "learning_rate": 0.01}``; KV-ZCH tables take theirs from ``KVZCHTableParams``."""
+    return [KVZCHEmbeddingBagCollectionSharder(fused_params=fused_params),
+            KVZCHEmbeddingCollectionSharder(fused_params=fused_params)]

@@ -1,0 +1,58 @@
+"""Run a function on N gloo ranks on localhost (spawned processes) and collect the results."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
+    """``fn(rank, world_size, *args)`` on each rank; returns the results by rank, or raises with
+    every failing rank's traceback."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in procs:
+            rank, ok, value = results.get(timeout=timeout)
+            (out.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+    except queue.Empty:
+        errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [out[r] for r in range(world_size)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 
 import torch
@@ -41,13 +42,27 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
              for r in range(world_size)]
     for p in procs:
         p.start()
-    out, errors = {}, []
+    out, errors, reported = {}, [], set()
+    deadline = time.monotonic() + timeout
     try:
-        for _ in procs:
-            rank, ok, value = results.get(timeout=timeout)
+        while len(reported) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                # A rank that died without reporting (crash, failed unpickling) fails the run now.
+                dead = [r for r, p in enumerate(procs)
+                        if r not in reported and p.exitcode not in (None, 0)]
+                if dead:
+                    errors.append(f"ranks {dead} died without a result (exit codes "
+                                  f"{[procs[r].exitcode for r in dead]})")
+                    break
+                if time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout}s waiting for ranks "
+                                  f"{sorted(set(range(world_size)) - reported)}")
+                    break
+                continue
+            reported.add(rank)
             (out.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
-    except queue.Empty:
-        errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -1,0 +1,144 @@
+"""TorchRec's planner with KV-ZCH tables: constraints, bucket-aligned shards, DRAM accounting."""
+
+import logging
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, strategies as st
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.planner.types import PlannerError
+from torchrec.distributed.sharding_plan import calculate_shard_sizes_and_offsets
+from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from _dist import run_ranks
+from torchrec_kvzch import KVZCHTableParams
+from torchrec_kvzch.sharding import KVZCH_KERNEL, KVZCHParameterSharding, kvzch_embedding_bag_config, kvzch_sharders
+from torchrec_kvzch.sharding.planner import KVZCHShardingPlanner
+from torchrec_kvzch.store.layout import RowLayout
+from torchrec_kvzch.store.row_store import RowStore
+
+
+def tables(expected_rows=10_000, buckets=(12, 7)):
+    return [KVZCHTableParams("user", 16, num_embeddings=buckets[0] * 2**36, total_num_buckets=buckets[0],
+                             expected_rows=expected_rows),
+            KVZCHTableParams("item", 32, num_embeddings=buckets[1] * 2**36, total_num_buckets=buckets[1],
+                             expected_rows=expected_rows)]
+
+
+def model(kv):
+    plain = EmbeddingBagConfig(name="plain", embedding_dim=8, num_embeddings=1000, feature_names=["f_plain"])
+    configs = [kvzch_embedding_bag_config(t, [f"f_{t.name}"]) for t in kv] + [plain]
+    return EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+
+
+def plan_for(kv, world_size=3, ddr_cap=None, constraints=None):
+    topology = Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size,
+                        **({"ddr_cap": ddr_cap} if ddr_cap else {}))
+    planner = KVZCHShardingPlanner(kv, topology, batch_size=512, constraints=constraints)
+    return planner.plan(model(kv), kvzch_sharders())
+
+
+def test_plan_pins_kvzch_tables_to_row_wise_on_our_kernel():
+    kv = tables()
+    module_plan = plan_for(kv).plan[""]
+    for t in kv:
+        sharding = module_plan[t.name]
+        assert isinstance(sharding, KVZCHParameterSharding) and sharding.kvzch == t
+        assert (sharding.sharding_type, sharding.compute_kernel) == ("row_wise", KVZCH_KERNEL)
+        # One shard per rank, exactly the buckets of our split.
+        for rank, shard in enumerate(sharding.sharding_spec.shards):
+            r = t.bucket_range(rank, 3)
+            assert (shard.shard_offsets[0], shard.shard_sizes[0]) == (r.id_start, r.id_end - r.id_start)
+            assert shard.placement.rank() == rank
+    assert module_plan["plain"].compute_kernel != KVZCH_KERNEL
+    assert not isinstance(module_plan["plain"], KVZCHParameterSharding)
+
+
+@given(buckets=st.integers(1, 200), world=st.integers(1, 24), per_bucket=st.integers(1, 2**20))
+def test_planner_shard_sizes_equal_our_bucket_split(buckets, world, per_bucket):
+    if buckets < world:
+        return
+    p = KVZCHTableParams("t", 4, num_embeddings=buckets * per_bucket, total_num_buckets=buckets)
+    virtual = torch.empty(p.num_embeddings, 4, device="meta")  # only its shape is read
+    sizes, offsets = calculate_shard_sizes_and_offsets(virtual, world, world, "row_wise",
+                                                       num_buckets=buckets)
+    for rank in range(world):
+        r = p.bucket_range(rank, world)
+        assert (offsets[rank][0], sizes[rank][0]) == (r.id_start, r.id_end - r.id_start)
+
+
+def test_storage_counts_the_dram_of_expected_rows():
+    kv = tables(expected_rows=120_000)
+    planner = KVZCHShardingPlanner(kv, Topology(world_size=3, compute_device="cpu", local_world_size=3),
+                                   batch_size=512)
+    planner.plan(model(kv), kvzch_sharders())
+    options = [o for o in planner._enumerator.last_stored_search_space
+               if o.name == "user" and o.compute_kernel == KVZCH_KERNEL]
+    assert options
+    user = kv[0]
+    for shard, rank in zip(options[0].shards, range(3)):
+        want = RowStore.estimated_bytes(RowLayout.for_table(user), user.expected_shard_rows(user.bucket_range(rank, 3)))
+        assert (shard.storage.ddr, shard.storage.hbm) == (want, 0)
+        # 12 buckets on 3 ranks: 40,000 expected rows each; 16 fp32 + 1 fp32 Adagrad + 8 meta +
+        # 8 slot->id bytes a row, plus growth slack and the hash table (not 0, not 2^40 rows).
+        raw = 40_000 * (16 * 4 + 4 + 8 + 8)
+        assert raw <= want <= 2.5 * raw
+
+
+def test_plan_that_cannot_fit_is_rejected_by_the_planner():
+    kv = tables(expected_rows=3_000_000_000)  # ~3B rows x ~100 bytes per rank >> 64 GiB
+    with pytest.raises(PlannerError):
+        plan_for(kv, ddr_cap=64 * 2**30)
+
+
+def test_printed_plan_shows_our_kernel(caplog):
+    with caplog.at_level(logging.INFO):
+        plan_for(tables())
+    for table in ("user", "item"):  # e.g. "#  .user  RW  customized_kernel  0.036 (...)"
+        assert re.search(rf"\.{table}\s+RW\s+customized_kernel\s", caplog.text)
+
+
+def test_misdeclared_tables_are_reported():
+    kv = tables()
+    plain_model = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="user", embedding_dim=16, num_embeddings=kv[0].num_embeddings, feature_names=["f"])],
+        device=torch.device("meta"))
+    planner = KVZCHShardingPlanner(kv[:1], Topology(world_size=2, compute_device="cpu"), batch_size=64)
+    with pytest.raises(ValueError, match="must be declared with use_virtual_table=True"):
+        planner.plan(plain_model, kvzch_sharders())
+    with pytest.raises(ValueError, match="KV-ZCH table 'user': constraint sharding_types"):
+        KVZCHShardingPlanner(kv[:1], Topology(world_size=2, compute_device="cpu"),
+                             constraints={"user": ParameterConstraints(sharding_types=["table_wise"])})
+    with pytest.raises(ValueError, match="'item' is not in the model"):
+        KVZCHShardingPlanner(kv, Topology(world_size=2, compute_device="cpu")).plan(
+            model(kv[:1]), kvzch_sharders())
+
+
+def plan_and_train(rank, world_size):
+    kv = tables()
+    planner = KVZCHShardingPlanner(kv, Topology(world_size=world_size, compute_device="cpu",
+                                                local_world_size=world_size), batch_size=64)
+    m = model(kv)
+    plan = planner.collective_plan(m, kvzch_sharders(), dist.group.WORLD)
+    dmp = DistributedModelParallel(m, device=torch.device("cpu"), plan=plan, sharders=kvzch_sharders(),
+                                   env=ShardingEnv.from_process_group(dist.group.WORLD))
+    gen = torch.Generator().manual_seed(rank)
+    ids_user = torch.randint(0, kv[0].num_embeddings, (8,), generator=gen)
+    ids_item = torch.randint(0, kv[1].num_embeddings, (8,), generator=gen)
+    features = KeyedJaggedTensor(keys=["f_user", "f_item", "f_plain"],
+                                 values=torch.cat([ids_user, ids_item, torch.randint(0, 1000, (8,), generator=gen)]),
+                                 lengths=torch.full((12,), 2))
+    out = dmp(features).wait().values()
+    out.sum().backward()
+    assert out.shape == (4, 16 + 32 + 8)
+    return type(plan.plan[""]["user"]).__name__
+
+
+def test_collective_plan_then_dmp_on_two_ranks():
+    assert run_ranks(2, plan_and_train) == ["KVZCHParameterSharding"] * 2

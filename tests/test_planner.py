@@ -18,7 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from _dist import run_ranks
 from torchrec_kvzch import KVZCHTableParams
-from torchrec_kvzch.sharding import KVZCH_KERNEL, KVZCHParameterSharding, kvzch_embedding_bag_config, kvzch_sharders
+from torchrec_kvzch.sharding import KVZCH_KERNEL, KVZCHEmbeddingKernel, KVZCHParameterSharding, kvzch_embedding_bag_config, kvzch_sharders
 from torchrec_kvzch.sharding.planner import KVZCHShardingPlanner
 from torchrec_kvzch.store.layout import RowLayout
 from torchrec_kvzch.store.row_store import RowStore
@@ -137,8 +137,11 @@ def plan_and_train(rank, world_size):
     out = dmp(features).wait().values()
     out.sum().backward()
     assert out.shape == (4, 16 + 32 + 8)
-    return type(plan.plan[""]["user"]).__name__
+    kernels = [sorted(emb.tables) for m in dmp.modules() for lookup in getattr(m, "_lookups", ())
+               for emb in lookup._emb_modules if isinstance(emb, KVZCHEmbeddingKernel)]
+    return type(plan.plan[""]["user"]).__name__, kernels
 
 
 def test_collective_plan_then_dmp_on_two_ranks():
-    assert run_ranks(2, plan_and_train) == ["KVZCHParameterSharding"] * 2
+    # Both KV-ZCH tables (dims 16 and 32) are served by one kernel on each rank.
+    assert run_ranks(2, plan_and_train) == [("KVZCHParameterSharding", [["item", "user"]])] * 2

@@ -1,4 +1,12 @@
-"""TorchRec integration: DMP with KV-ZCH and ordinary tables against a TorchRec FUSED twin."""
+"""TorchRec integration: DMP with KV-ZCH and ordinary tables against a TorchRec FUSED twin.
+
+Our model holds two KV-ZCH tables of different dims (one kernel serves both) over a virtual id
+space far beyond 2^32, plus an ordinary FUSED table. Its twin declares the KV-ZCH tables as
+ordinary FUSED tables over the ids actually used (remapped to 0..n-1), starting from the same
+rows. Both train on the same batches: outputs and final rows must agree.
+"""
+
+import random
 
 import torch
 import torch.distributed as dist
@@ -14,77 +22,84 @@ from _dist import run_ranks
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.sharding import (
     KVZCH_KERNEL,
+    KVZCHEmbeddingKernel,
     KVZCHParameterSharding,
     kvzch_embedding_bag_config,
     kvzch_embedding_config,
     kvzch_sharders,
-    kvzch_tables,
 )
-from torchrec_kvzch.store.initializer import uniform_by_id_torch as uniform_by_id
+from torchrec_kvzch.store.initializer import uniform_by_id_torch
 
 LR, EPS = 0.05, 1e-8
-FUSED = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": EPS}
+FEATURES = {"kv": ["f_a", "f_b"], "kv2": ["f_c"], "plain": ["f_plain"]}
+PLAIN_ROWS = 37
 
 
-def kv_params(dim, buckets):
-    return KVZCHTableParams("kv", dim, num_embeddings=buckets * 2**37, total_num_buckets=buckets,
-                            learning_rate=LR, eps=EPS, init_range=(-0.5, 0.5), expected_rows=1000)
+def kv_params(name, dim, buckets, optimizer):
+    return KVZCHTableParams(name, dim, num_embeddings=buckets * 2**37, total_num_buckets=buckets,
+                            optimizer=optimizer, learning_rate=LR, eps=EPS, init_range=(-0.5, 0.5),
+                            expected_rows=1000)
 
 
-def build(rank, world_size, dim, buckets, universe, pooling, twin: bool):
-    """Our model (KV-ZCH 'kv' over buckets * 2^37 ids) or its twin ('kv' as a FUSED table over
-    len(universe) rows); both also hold an ordinary FUSED table 'plain'. ``pooling=None``
-    builds sequence tables (EmbeddingCollection)."""
-    params = kv_params(dim, buckets)
-    if pooling is None:
-        table, collection, kvzch_config, sharder, extra = EmbeddingConfig, EmbeddingCollection, kvzch_embedding_config, 1, {}
-        plain_dim = dim  # an EmbeddingCollection's tables share one dim
-    else:
-        table, collection, kvzch_config, sharder, extra = EmbeddingBagConfig, EmbeddingBagCollection, kvzch_embedding_bag_config, 0, {"pooling": pooling}
-        plain_dim = 4
-    plain = table(name="plain", embedding_dim=plain_dim, num_embeddings=37, feature_names=["f_plain"], **extra)
-    if twin:
-        kv = table(name="kv", embedding_dim=dim, num_embeddings=universe.numel(),
-                   feature_names=["f_a", "f_b"], **extra)
-    else:
-        kv = kvzch_config(params, ["f_a", "f_b"], **extra)
-    module = collection(tables=[kv, plain], device=torch.device("meta"))
-    sharders = kvzch_sharders(FUSED)
-    kernels = {"kv": row_wise(compute_kernel="fused") if twin else row_wise(compute_kernel=KVZCH_KERNEL, num_buckets=buckets),
-               "plain": row_wise(compute_kernel="fused")}
-    module_plan = construct_module_sharding_plan(module, kernels, sharder=sharders[sharder], local_size=world_size,
-                                                 world_size=world_size, device_type="cpu")
+def build(world_size, case, universe, twin: bool):
+    """Our model or its twin for one test case (dims, buckets, pooling, optimizer)."""
+    sequence = case["pooling"] is None
+    table_cls, collection = (EmbeddingConfig, EmbeddingCollection) if sequence else (EmbeddingBagConfig, EmbeddingBagCollection)
+    extra = {} if sequence else {"pooling": case["pooling"]}
+    dims = {"kv": case["dim"], "kv2": case["dim"] if sequence else case["dim2"], "plain": case["dim"] if sequence else 4}
+    params = {n: kv_params(n, dims[n], case["buckets"], case["optimizer"]) for n in ("kv", "kv2")}
+    configs = []
+    for name in ("kv", "kv2"):
+        if twin:
+            configs.append(table_cls(name=name, embedding_dim=dims[name], num_embeddings=universe[name].numel(),
+                                     feature_names=FEATURES[name], **extra))
+        else:
+            to_config = kvzch_embedding_config if sequence else kvzch_embedding_bag_config
+            configs.append(to_config(params[name], FEATURES[name], **extra))
+    configs.append(table_cls(name="plain", embedding_dim=dims["plain"], num_embeddings=PLAIN_ROWS,
+                             feature_names=FEATURES["plain"], **extra))
+    module = collection(tables=configs, device=torch.device("meta"))
+    sharders = kvzch_sharders({"optimizer": EmbOptimType(case["optimizer"]), "learning_rate": LR, "eps": EPS})
+    kernels = {n: row_wise(compute_kernel="fused") if twin else
+               row_wise(compute_kernel=KVZCH_KERNEL, num_buckets=case["buckets"]) for n in ("kv", "kv2")}
+    kernels["plain"] = row_wise(compute_kernel="fused")
+    module_plan = construct_module_sharding_plan(module, kernels, sharder=sharders[int(sequence)],
+                                                 local_size=world_size, world_size=world_size, device_type="cpu")
     if not twin:
-        module_plan["kv"] = KVZCHParameterSharding.wrap(module_plan["kv"], params)
+        group = (params["kv"], params["kv2"])
+        for name in ("kv", "kv2"):
+            module_plan[name] = KVZCHParameterSharding.wrap(module_plan[name], params[name], group)
     dmp = DistributedModelParallel(module, device=torch.device("cpu"), plan=ShardingPlan({"": module_plan}),
                                    sharders=sharders, env=ShardingEnv.from_process_group(dist.group.WORLD))
     # Equal starting rows: the twin's rows are our id-seeded initial rows of the universe ids.
+    prefix = "embeddings" if sequence else "embedding_bags"
     state = dmp.state_dict()
-    prefix = "embeddings" if pooling is None else "embedding_bags"
     with torch.no_grad():
-        for name, ids, seed in (("kv", universe, params.init_seed), ("plain", torch.arange(37), 1)):
+        for name, ids in universe.items():
             key = f"{prefix}.{name}.weight"
             if key not in state:
                 continue
+            seed = params[name].init_seed if name in params else 1
             for shard in state[key].local_shards():
                 start, n = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
-                low, high = (-0.5, 0.5) if name == "kv" else (-0.1, 0.1)
-                shard.tensor.copy_(uniform_by_id(ids[start:start + n], shard.tensor.shape[1], low, high, seed))
+                shard.tensor.copy_(uniform_by_id_torch(ids[start:start + n], shard.tensor.shape[1], -0.5, 0.5, seed))
     return dmp
 
 
-def local_batch(rank, step, universe, batch, max_len):
+def batch(rank, step, universe, case, empty):
+    """Per-rank jagged batch: (lengths, {table: row index into universe[table]})."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    lengths = torch.randint(0, max_len + 1, (3 * batch,), generator=gen)
-    n_kv = int(lengths[: 2 * batch].sum())
-    local = torch.randint(0, universe.numel(), (n_kv,), generator=gen)
-    plain = torch.randint(0, 37, (int(lengths[2 * batch:].sum()),), generator=gen)
-    return lengths, local, plain
-
-
-def kjt(lengths, kv_values, plain):
-    return KeyedJaggedTensor(keys=["f_a", "f_b", "f_plain"], values=torch.cat([kv_values, plain]),
-                             lengths=lengths)
+    keys = [f for name in ("kv", "kv2", "plain") for f in FEATURES[name]]
+    lengths = torch.randint(0, case["max_len"] + 1, (len(keys) * case["batch"],), generator=gen)
+    if empty:
+        lengths.zero_()
+    per_key = lengths.view(len(keys), -1).sum(1).tolist()
+    local, i = {}, 0
+    for name in ("kv", "kv2", "plain"):
+        n = sum(per_key[i:i + len(FEATURES[name])])
+        i += len(FEATURES[name])
+        local[name] = torch.randint(0, universe[name].numel(), (n,), generator=gen)
+    return keys, lengths, local
 
 
 def values(output) -> torch.Tensor:
@@ -96,54 +111,93 @@ def values(output) -> torch.Tensor:
     return torch.cat([output[f].values() for f in sorted(output.keys())])
 
 
-def train_and_compare(rank, world_size, dim, buckets, pooling, steps, empty_rank):
+def store_rows(dmp):
+    """{(table, id): row} of every KV-ZCH row on this rank, from the kernels' stores."""
+    rows = {}
+    for m in dmp.modules():
+        for lookup in getattr(m, "_lookups", ()):
+            for emb in lookup._emb_modules:
+                if isinstance(emb, KVZCHEmbeddingKernel):
+                    for name, kernel in emb.tables.items():
+                        ids = kernel.store.sorted_ids()
+                        rows.update(((name, i), r) for i, r in zip(ids.tolist(), kernel.store.read_ids(ids)))
+    return rows
+
+
+def twin_rows(dmp, universe, sequence):
+    prefix = "embeddings" if sequence else "embedding_bags"
+    rows, state = {}, dmp.state_dict()
+    for name in ("kv", "kv2"):
+        for shard in state[f"{prefix}.{name}.weight"].local_shards():
+            start = shard.metadata.shard_offsets[0]
+            ids = universe[name][start:start + shard.tensor.shape[0]].tolist()
+            rows.update(((name, i), r) for i, r in zip(ids, shard.tensor.clone()))
+    return rows
+
+
+def train_and_compare(rank, world_size, case, steps=3, empty_rank=None):
     gen = torch.Generator().manual_seed(5)
-    universe = torch.randint(0, buckets * 2**37, (60,), generator=gen).unique()  # ids far beyond 2^32
-    ours = build(rank, world_size, dim, buckets, universe, pooling, twin=False)
-    twin = build(rank, world_size, dim, buckets, universe, pooling, twin=True)
+    virtual = case["buckets"] * 2**37
+    universe = {"kv": torch.randint(0, virtual, (50,), generator=gen).unique(),  # ids far beyond 2^32
+                "kv2": torch.randint(0, virtual, (30,), generator=gen).unique(),
+                "plain": torch.arange(PLAIN_ROWS)}
+    ours, twin = build(world_size, case, universe, False), build(world_size, case, universe, True)
     for step in range(steps):
-        lengths, local, plain = local_batch(rank, step, universe, batch=4, max_len=3)
-        if rank == empty_rank:
-            lengths, local, plain = lengths * 0, local[:0], plain[:0]
-        out = values(ours(kjt(lengths, universe[local], plain)))
-        want = values(twin(kjt(lengths, local, plain)))
+        keys, lengths, local = batch(rank, step, universe, case, empty=rank == empty_rank)
+        ids = {n: universe[n][local[n]] for n in ("kv", "kv2")}
+        out = values(ours(KeyedJaggedTensor(keys, torch.cat([ids["kv"], ids["kv2"], local["plain"]]), lengths=lengths)))
+        want = values(twin(KeyedJaggedTensor(keys, torch.cat([local["kv"], local["kv2"], local["plain"]]), lengths=lengths)))
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
         out.backward(grad)
         want.backward(grad)
-    # Final rows of every id, gathered from all ranks.
-    mine = {}
-    for name, kernel in kvzch_tables(ours):
-        ids = kernel.store.sorted_ids()
-        mine.update(zip(ids.tolist(), kernel.store.read_ids(ids)))
-    prefix = "embeddings" if pooling is None else "embedding_bags"
-    shard = twin.state_dict()[f"{prefix}.kv.weight"].local_shards()[0]
-    start = shard.metadata.shard_offsets[0]
-    theirs = dict(zip(universe[start:start + shard.tensor.shape[0]].tolist(), shard.tensor.clone()))
     gathered = [None] * world_size
-    dist.all_gather_object(gathered, (mine, theirs))
+    dist.all_gather_object(gathered, (store_rows(ours), twin_rows(twin, universe, case["pooling"] is None)))
     ours_all = {k: v for m, _ in gathered for k, v in m.items()}
     twin_all = {k: v for _, t in gathered for k, v in t.items()}
-    for i, row in ours_all.items():  # every id our store created was seen, so the twin has it
-        torch.testing.assert_close(row, twin_all[i], rtol=1e-5, atol=1e-5)
-    return len(mine)
+    for key, row in ours_all.items():  # every id our stores created was looked up, so the twin has it
+        torch.testing.assert_close(row, twin_all[key], rtol=1e-5, atol=1e-5)
+    return len(store_rows(ours))
+
+
+def random_cases(seed, n):
+    """A seeded sweep over dims, buckets, pooling, optimizer, batch size and bag lengths
+    (a multi-rank run is too costly to start per hypothesis example)."""
+    rng = random.Random(seed)
+    return [dict(dim=rng.choice([4, 8, 12]), dim2=rng.choice([4, 16]), buckets=rng.randint(3, 9),
+                 pooling=rng.choice([PoolingType.SUM, PoolingType.MEAN, None]),
+                 optimizer=rng.choice(["exact_row_wise_adagrad", "exact_sgd"]),
+                 batch=rng.randint(1, 6), max_len=rng.randint(0, 4)) for _ in range(n)]
+
+
+def sweep(rank, world_size, cases, empty_rank=None):
+    return [train_and_compare(rank, world_size, case, empty_rank=empty_rank) for case in cases]
+
+
+BASE = dict(dim=8, dim2=16, buckets=8, pooling=PoolingType.SUM, optimizer="exact_row_wise_adagrad",
+            batch=4, max_len=3)
 
 
 def test_dmp_two_ranks_matches_fused_twin():
-    rows = run_ranks(2, train_and_compare, 8, 8, PoolingType.SUM, 4, None)
-    assert all(r > 0 for r in rows)  # both ranks own rows
+    rows = run_ranks(2, sweep, [BASE])
+    assert all(r[0] > 0 for r in rows)  # both ranks own rows
 
 
-def test_dmp_uneven_buckets_mean_pooling_and_an_empty_rank():
+def test_dmp_uneven_buckets_mean_pooling_sgd_and_an_empty_rank():
     # 5 buckets on 2 ranks: 3 + 2. Rank 1 sends an empty batch every step.
-    rows = run_ranks(2, train_and_compare, 12, 5, PoolingType.MEAN, 3, 1)
-    assert sum(rows) > 0
-
-
-def test_dmp_single_rank():
-    run_ranks(1, train_and_compare, 4, 4, PoolingType.SUM, 3, None)
+    case = dict(BASE, buckets=5, pooling=PoolingType.MEAN, optimizer="exact_sgd", dim2=12)
+    run_ranks(2, sweep, [case], 1)
 
 
 def test_dmp_sequence_tables_two_ranks():
-    rows = run_ranks(2, train_and_compare, 8, 6, None, 3, None)
-    assert all(r > 0 for r in rows)
+    rows = run_ranks(2, sweep, [dict(BASE, pooling=None, buckets=6)])
+    assert all(r[0] > 0 for r in rows)
+
+
+def test_dmp_random_cases_on_two_and_three_ranks():
+    run_ranks(2, sweep, random_cases(seed=11, n=4))
+    run_ranks(3, sweep, random_cases(seed=12, n=2))
+
+
+def test_dmp_single_rank():
+    run_ranks(1, sweep, [dict(BASE, buckets=4)])

@@ -37,18 +37,22 @@ ROW_WISE = ShardingType.ROW_WISE.value
 
 @dataclasses.dataclass
 class KVZCHParameterSharding(ParameterSharding):
-    """A table's placement plus its KV-ZCH options; TorchRec merges
-    ``get_additional_fused_params()`` into the fused params its kernel is built from."""
+    """A table's placement plus the KV-ZCH options of its module's KV-ZCH tables. TorchRec merges
+    ``get_additional_fused_params()`` into the fused params its kernel is built from, and groups
+    tables with equal fused params into one kernel: giving every KV-ZCH table of a module the
+    same tuple lets tables of different dims share one kernel."""
 
     kvzch: KVZCHTableParams | None = None
+    kvzch_group: tuple[KVZCHTableParams, ...] = ()
 
     def get_additional_fused_params(self) -> dict[str, Any]:
-        return {FUSED_PARAMS_KEY: (self.kvzch,)}
+        return {FUSED_PARAMS_KEY: self.kvzch_group or (self.kvzch,)}
 
     @classmethod
-    def wrap(cls, sharding: ParameterSharding, params: KVZCHTableParams) -> "KVZCHParameterSharding":
+    def wrap(cls, sharding: ParameterSharding, params: KVZCHTableParams,
+             group: tuple[KVZCHTableParams, ...] = ()) -> "KVZCHParameterSharding":
         fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
-        return cls(**fields, kvzch=params)
+        return cls(**fields, kvzch=params, kvzch_group=tuple(group))
 
 
 # -- lookups: build our kernel for KV-ZCH groups, the stock one otherwise ---------------------

@@ -99,9 +99,10 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
         self._check_tables(module)
         plan = super().plan(module, sharders)
         for module_plan in plan.plan.values():
-            for name, sharding in list(module_plan.items()):
-                if name in self._kvzch and sharding.compute_kernel == KVZCH_KERNEL:
-                    module_plan[name] = KVZCHParameterSharding.wrap(sharding, self._kvzch[name])
+            names = [n for n, s in module_plan.items() if n in self._kvzch and s.compute_kernel == KVZCH_KERNEL]
+            group = tuple(self._kvzch[n] for n in sorted(names))
+            for name in names:
+                module_plan[name] = KVZCHParameterSharding.wrap(module_plan[name], self._kvzch[name], group)
         return plan
 
     def collective_plan(self, module: nn.Module, sharders=None, pg: dist.ProcessGroup | None = None):

@@ -1,0 +1,220 @@
+"""Sharding configs: YAML files declaring tables, which of them are KV-ZCH, and planner hints.
+
+    optimizer:                    # the fused optimizer of every table
+      type: exact_rowwise_adagrad
+      learning_rate: 0.02
+    tables:
+      - name: user
+        embedding_dim: 32
+        features: [user_id]
+        kvzch:                    # present: a KV-ZCH table on our kernel
+          num_embeddings: 2^40
+          total_num_buckets: 64
+          expected_rows: 200000
+      - name: category            # absent: an ordinary table (fbgemm's FUSED kernel)
+        embedding_dim: 16
+        num_embeddings: 1000
+        features: [category]
+        planner: {sharding_types: [table_wise]}
+
+``load_config(path)`` validates every key and value and raises ``ConfigError`` naming the
+file, the key and what is allowed, before anything is built. Integers may be written ``2^40``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+
+from torchrec_kvzch.params import EvictionPolicy, KVZCHTableParams, OptimizerKind
+from torchrec_kvzch.sharding.planner import KVZCHShardingPlanner
+from torchrec_kvzch.sharding.modules import kvzch_sharders
+from torchrec_kvzch.sharding.tables import kvzch_embedding_bag_config, kvzch_embedding_config
+
+_POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+_OPTIMIZER_KEYS = {"type", "learning_rate", "eps"}
+_TABLE_KEYS = {"name", "embedding_dim", "features", "pooling", "num_embeddings", "kvzch", "planner"}
+_KVZCH_KEYS = {f.name for f in fields(KVZCHTableParams)} - {"name", "embedding_dim"}
+_EVICTION_KEYS = {f.name for f in fields(EvictionPolicy)}
+_PLANNER_KEYS = {"sharding_types", "compute_kernels", "pooling_factors", "num_poolings",
+                 "batch_sizes", "min_partition", "enforce_hbm"}
+_SHARDING_TYPES = [t.value for t in ShardingType]
+
+
+class ConfigError(ValueError):
+    """A sharding config that cannot be used; the message names file, key and fix."""
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    embedding_dim: int
+    features: tuple[str, ...]
+    pooling: PoolingType
+    num_embeddings: int
+    kvzch: KVZCHTableParams | None
+    constraints: ParameterConstraints | None
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    path: Path
+    optimizer: OptimizerKind
+    learning_rate: float
+    eps: float
+    tables: tuple[TableSpec, ...]
+
+    @property
+    def kvzch_tables(self) -> list[KVZCHTableParams]:
+        return [t.kvzch for t in self.tables if t.kvzch is not None]
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """Pooled table configs, for an EmbeddingBagCollection (build it on the meta device)."""
+        return [kvzch_embedding_bag_config(t.kvzch, t.features, t.pooling) if t.kvzch else
+                EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
+                                   feature_names=list(t.features), pooling=t.pooling)
+                for t in self.tables]
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        """Sequence table configs, for an EmbeddingCollection."""
+        return [kvzch_embedding_config(t.kvzch, t.features) if t.kvzch else
+                EmbeddingConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
+                                feature_names=list(t.features))
+                for t in self.tables]
+
+    def constraints(self) -> dict[str, ParameterConstraints]:
+        return {t.name: t.constraints for t in self.tables if t.constraints is not None}
+
+    def sharders(self) -> list:
+        """Sharders; the ordinary tables get the config's fused optimizer."""
+        return kvzch_sharders({"optimizer": self.optimizer.to_fbgemm(),
+                               "learning_rate": self.learning_rate, "eps": self.eps})
+
+    def planner(self, topology: Topology, batch_size: int) -> KVZCHShardingPlanner:
+        return KVZCHShardingPlanner(self.kvzch_tables, topology, batch_size, self.constraints())
+
+
+def load_config(path: str | Path) -> ShardingConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such sharding config") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return _Parser(path).config(raw)
+
+
+class _Parser:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, where: str, problem: str) -> None:
+        raise ConfigError(f"{self.path}: {where}: {problem}")
+
+    def mapping(self, value: Any, where: str, allowed: set[str], required: set[str] = frozenset()) -> dict:
+        if not isinstance(value, dict):
+            self.fail(where, f"expected a mapping with keys from {sorted(allowed)}, got {value!r}")
+        for key in value:
+            if key not in allowed:
+                self.fail(f"{where}.{key}" if where else str(key),
+                          f"unknown key; allowed: {', '.join(sorted(allowed))}")
+        for key in sorted(required - value.keys()):
+            self.fail(where or "top level", f"missing required key '{key}'")
+        return value
+
+    def integer(self, value: Any, where: str) -> int:
+        if isinstance(value, str) and re.fullmatch(r"\s*\d+\s*\^\s*\d+\s*", value):
+            base, exp = (int(v) for v in value.split("^"))
+            return base**exp
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(where, f"expected an integer (or 'a^b'), got {value!r}")
+        return value
+
+    def choice(self, value: Any, where: str, allowed) -> Any:
+        if value not in allowed:
+            self.fail(where, f"{value!r} is not allowed; use one of {', '.join(map(str, allowed))}")
+        return value
+
+    def config(self, raw: Any) -> ShardingConfig:
+        top = self.mapping(raw, "", {"optimizer", "tables", "description"}, {"tables"})
+        opt = self.mapping(top.get("optimizer", {}), "optimizer", _OPTIMIZER_KEYS)
+        kind = self.optimizer_kind(opt.get("type", "exact_rowwise_adagrad"), "optimizer.type")
+        lr, eps = opt.get("learning_rate", 0.01), opt.get("eps", 1e-8)
+        if not isinstance(top["tables"], list) or not top["tables"]:
+            self.fail("tables", "expected a non-empty list of tables")
+        tables = [self.table(t, f"tables[{i}]", kind, lr, eps) for i, t in enumerate(top["tables"])]
+        seen_tables, seen_features = set(), {}
+        for t in tables:
+            if t.name in seen_tables:
+                self.fail(f"tables ({t.name})", "duplicate table name")
+            seen_tables.add(t.name)
+            for f in t.features:
+                if f in seen_features:
+                    self.fail(f"tables ({t.name}).features", f"feature '{f}' already feeds table "
+                              f"'{seen_features[f]}'; each feature feeds one table")
+                seen_features[f] = t.name
+        return ShardingConfig(self.path, kind, float(lr), float(eps), tuple(tables))
+
+    def optimizer_kind(self, value: Any, where: str) -> OptimizerKind:
+        try:
+            return OptimizerKind.parse(value)
+        except ValueError:
+            self.fail(where, f"{value!r} is not supported; use one of "
+                      f"{', '.join(k.name.lower() for k in OptimizerKind)}")
+
+    def table(self, raw: Any, where: str, kind: OptimizerKind, lr: float, eps: float) -> TableSpec:
+        if isinstance(raw, dict) and "name" in raw:
+            where = f"{where} ({raw['name']})"
+        t = self.mapping(raw, where, _TABLE_KEYS, {"name", "embedding_dim", "features"})
+        name = t["name"]
+        features = t["features"]
+        if not isinstance(features, list) or not features or not all(isinstance(f, str) for f in features):
+            self.fail(f"{where}.features", f"expected a non-empty list of feature names, got {features!r}")
+        pooling = _POOLINGS[self.choice(str(t.get("pooling", "sum")).lower(), f"{where}.pooling", list(_POOLINGS))]
+        dim = self.integer(t["embedding_dim"], f"{where}.embedding_dim")
+        kvzch = None
+        if "kvzch" in t:
+            if "num_embeddings" in t:
+                self.fail(f"{where}.num_embeddings", "a KV-ZCH table sets num_embeddings inside 'kvzch'")
+            kvzch = self.kvzch(t["kvzch"], f"{where}.kvzch", name, dim, kind, lr, eps)
+            num_embeddings = kvzch.num_embeddings
+        elif "num_embeddings" not in t:
+            self.fail(where, "missing required key 'num_embeddings' (or a 'kvzch' block)")
+        else:
+            num_embeddings = self.integer(t["num_embeddings"], f"{where}.num_embeddings")
+        return TableSpec(name, dim, tuple(features), pooling, num_embeddings, kvzch,
+                         self.constraints(t.get("planner"), f"{where}.planner"))
+
+    def kvzch(self, raw: Any, where: str, name: str, dim: int, kind, lr, eps) -> KVZCHTableParams:
+        kv = dict(self.mapping(raw if raw is not None else {}, where, _KVZCH_KEYS))
+        for key in ("num_embeddings", "total_num_buckets", "expected_rows", "checkpoint_chunk_rows"):
+            if key in kv:
+                kv[key] = self.integer(kv[key], f"{where}.{key}")
+        kv["optimizer"] = self.optimizer_kind(kv.get("optimizer", kind), f"{where}.optimizer")
+        kv.setdefault("learning_rate", lr)
+        kv.setdefault("eps", eps)
+        for key in ("init_range", "betas"):
+            if key in kv:
+                kv[key] = tuple(kv[key]) if isinstance(kv[key], list) else kv[key]
+        if "eviction" in kv:
+            kv["eviction"] = EvictionPolicy(**self.mapping(kv["eviction"], f"{where}.eviction", _EVICTION_KEYS))
+        try:
+            return KVZCHTableParams(name=name, embedding_dim=dim, **kv)
+        except (TypeError, ValueError) as e:
+            self.fail(where, str(e))
+
+    def constraints(self, raw: Any, where: str) -> ParameterConstraints | None:
+        if raw is None:
+            return None
+        c = self.mapping(raw, where, _PLANNER_KEYS)
+        for i, st in enumerate(c.get("sharding_types", [])):
+            self.choice(st, f"{where}.sharding_types[{i}]", _SHARDING_TYPES)
+        return ParameterConstraints(**c)

@@ -1,0 +1,77 @@
+"""Sharding configs: the shipped ones load and plan; bad ones fail naming file, key and fix."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torchrec.distributed.planner import Topology
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from torchrec_kvzch.config import ConfigError, load_config
+from torchrec_kvzch.sharding import KVZCH_KERNEL, KVZCHParameterSharding
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_shipped_configs_load_and_plan(name):
+    config = load_config(CONFIGS / name)
+    model = EmbeddingBagCollection(tables=config.embedding_bag_configs(), device=torch.device("meta"))
+    planner = config.planner(Topology(world_size=2, compute_device="cpu", local_world_size=2), batch_size=1024)
+    plan = planner.plan(model, config.sharders()).plan[""]
+    for table in config.tables:
+        is_kv = table.kvzch is not None
+        assert isinstance(plan[table.name], KVZCHParameterSharding) == is_kv
+        assert (plan[table.name].compute_kernel == KVZCH_KERNEL) == is_kv
+
+
+def test_quickstart_declares_two_kvzch_tables_and_one_ordinary():
+    config = load_config(CONFIGS / "quickstart.yaml")
+    assert [t.name for t in config.kvzch_tables] == ["user", "item"]
+    user = config.kvzch_tables[0]
+    assert user.num_embeddings == 2**40 and user.backend_return_whole_row and user.learning_rate == 0.05
+    assert config.constraints()["category"].sharding_types == ["row_wise"]
+
+
+GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("tables: []\n", "tables: expected a non-empty list of tables"),
+    ("optimiser: {}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
+     "optimiser: unknown key; allowed: description, optimizer, tables"),
+    ("optimizer: {type: lamb}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
+     "optimizer.type: 'lamb' is not supported; use one of exact_rowwise_adagrad, exact_sgd, adam"),
+    ("tables:\n" + GOOD_TABLE, "tables[0] (t): missing required key 'num_embeddings' (or a 'kvzch' block)"),
+    ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    pooling: max\n",
+     "tables[0] (t).pooling: 'max' is not allowed; use one of sum, mean"),
+    ("tables:\n" + GOOD_TABLE + "    num_embeddings: ten\n",
+     "tables[0] (t).num_embeddings: expected an integer (or 'a^b'), got 'ten'"),
+    ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    colour: red\n",
+     "tables[0] (t).colour: unknown key; allowed: embedding_dim, features, kvzch, name, num_embeddings, planner, pooling"),
+    ("tables:\n" + GOOD_TABLE + "    kvzch: {num_embeddings: 2^20, total_num_buckets: 16, backend_return_whole_row: true}\n",
+     "tables[0] (t).kvzch: KV-ZCH table 't': backend_return_whole_row is only valid with enable_optimizer_offloading"),
+    ("tables:\n" + GOOD_TABLE + "    kvzch: {num_embeddings: 2^20, total_num_buckets: 16, bucket_count: 3}\n",
+     "tables[0] (t).kvzch.bucket_count: unknown key; allowed: backend_return_whole_row, betas, checkpoint_chunk_rows"),
+    ("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, eviction: {kind: lru, rows: 5}}\n",
+     "tables[0] (t).kvzch.eviction.rows: unknown key; allowed: count_decay, count_threshold, kind, max_rows, ttl_steps"),
+    ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    planner: {sharding_types: [diagonal]}\n",
+     "tables[0] (t).planner.sharding_types[0]: 'diagonal' is not allowed; use one of data_parallel"),
+    ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n" + GOOD_TABLE + "    num_embeddings: 10\n",
+     "tables (t): duplicate table name"),
+    ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n  - {name: u, embedding_dim: 4, features: [f], num_embeddings: 3}\n",
+     "tables (u).features: feature 'f' already feeds table 't'"),
+    ("tables: [\n", "not valid YAML"),
+])
+def test_bad_configs_name_file_key_and_fix(tmp_path, text, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: ")
+    assert fragment in str(err.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such sharding config"):
+        load_config(tmp_path / "nope.yaml")

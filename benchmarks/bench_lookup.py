@@ -7,13 +7,22 @@ kernel holds the rows of 1M ids drawn from 2^40; fbgemm's TBE holds the same row
 sees each id's row index. Both run the same batches (forward + backward + fused update), with
 uniform and Zipf(1.05) ids, alternating step by step after warm-up. Ratios are throughputs:
 ours / baseline (1.0 = as fast as fbgemm on a dense table).
+
+The 2-process variant (torchrun, gloo) shards ``configs/bench_lookup.yaml`` with DMP: a KV-ZCH
+table and an ordinary FUSED row-wise table of the same size, planned by our planner. Each step
+sends a global batch of 8192 x 20 uniform ids either all to the KV-ZCH table or all to the FUSED
+table (the other feature empty), through input all-to-all, lookup, reduce-scatter and backward.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,10 +79,79 @@ def compare(kernel, baseline, universe, batch: int, pooling: int, dist: str, ste
     return {"ours_ms": ours_ms, "tbe_ms": base_ms, "ratio": base_ms / ours_ms}
 
 
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "bench_lookup.yaml"
+
+
+def two_process(args) -> dict:
+    """Run the DMP comparison on 2 local ranks under torchrun; returns rank 0's results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rank0.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(29500 + os.getpid() % 1000),
+               __file__, "--worker", str(out), "--json", str(out), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--batch", str(args.batch), "--pooling", str(args.pooling)]
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        return json.loads(out.read_text())
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_kvzch.config import load_config
+    from torchrec_kvzch.sharding import kvzch_tables
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    config = load_config(CONFIG)
+    model = EmbeddingBagCollection(tables=config.embedding_bag_configs(), device=torch.device("meta"))
+    topology = Topology(world_size=world, compute_device="cpu", local_world_size=world)
+    plan = config.planner(topology, args.batch).collective_plan(model, config.sharders(), dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=config.sharders(),
+                                   env=ShardingEnv.from_process_group(dist.group.WORLD))
+    rows = next(t for t in config.tables if t.kvzch is None).num_embeddings
+    universe = torch.randint(0, config.kvzch_tables[0].num_embeddings, (int(rows * 1.01),),
+                             generator=torch.Generator().manual_seed(0)).unique()[:rows]
+    for _, kernel in kvzch_tables(dmp):  # the same live rows as the dense table
+        r = kernel.store.bucket_range
+        kernel.store.find_or_insert(universe[(universe >= r.id_start) & (universe < r.id_end)], touch=False)
+    local_batch = args.batch // world
+    n = local_batch * args.pooling
+    lengths_on = torch.full((local_batch,), args.pooling)
+    gen = torch.Generator().manual_seed(100 + rank)
+    times = {"kv": [], "dense": []}
+    for step in range(args.warmup + args.steps):
+        local = torch.randint(0, rows, (n,), generator=gen)
+        for table in ("kv", "dense"):
+            ids = universe[local] if table == "kv" else local
+            lengths = torch.cat([lengths_on, lengths_on * 0] if table == "kv" else [lengths_on * 0, lengths_on])
+            features = KeyedJaggedTensor(keys=["kv_ids", "dense_ids"], values=ids, lengths=lengths)
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = dmp(features).wait().values()
+            out.backward(torch.ones_like(out))
+            dist.barrier()
+            if step >= args.warmup:
+                times[table].append((time.perf_counter() - t0) * 1e3)
+    if rank == 0:
+        ours, base = statistics.median(times["kv"]), statistics.median(times["dense"])
+        Path(args.worker).write_text(json.dumps(
+            {"ours_ms_2proc": ours, "tbe_ms_2proc": base, "ratio_2proc": base / ours,
+             "global_batch_2proc": args.batch}))
+    dist.destroy_process_group()
+
+
 def main() -> None:
     same_huge_pages_for_the_baseline()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # set by the 2-process launcher
+    parser.add_argument("--skip-2proc", action="store_true", help="only the single-process comparison")
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8192)
@@ -81,6 +159,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
+    if args.worker:
+        return worker(args)
 
     kernel, baseline, universe = build(args.rows, args.dim, seed=0)
     results: dict = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "pooling": args.pooling,
@@ -88,6 +168,9 @@ def main() -> None:
     for dist in tqdm(("uniform", "zipf"), desc="bench_lookup"):
         r = compare(kernel, baseline, universe, args.batch, args.pooling, dist, args.steps, args.warmup)
         results.update({f"{k}_{dist}": v for k, v in r.items()})
+    del kernel, baseline
+    if not args.skip_2proc:
+        results.update(two_process(args))
     results["targets"] = {"ratio_uniform >= 0.80": results["ratio_uniform"] >= 0.80,
                           "ratio_zipf >= 0.85": results["ratio_zipf"] >= 0.85}
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -96,6 +179,9 @@ def main() -> None:
     for dist in ("uniform", "zipf"):
         print(f"  {dist:8s} ours {results[f'ours_ms_{dist}']:7.1f} ms   fbgemm TBE {results[f'tbe_ms_{dist}']:7.1f} ms"
               f"   throughput ratio {results[f'ratio_{dist}']:.3f}")
+    if "ratio_2proc" in results:
+        print(f"  2 procs  ours {results['ours_ms_2proc']:7.1f} ms   FUSED row-wise {results['tbe_ms_2proc']:7.1f} ms"
+              f"   throughput ratio {results['ratio_2proc']:.3f}")
     for name, ok in results["targets"].items():
         print(f"  [{'ok' if ok else 'MISS'}] {name}")
     print(f"wrote {args.json}")

@@ -176,3 +176,21 @@ def test_memory_is_proportional_to_live_rows():
     per_row = store.nbytes / len(store)
     # 64 fp32 + 1 fp32 + 8 meta = 268 bytes of row data; geometric growth and the map add < 2x.
     assert per_row < 2 * 268 + 64
+
+
+@given(slots=st.lists(st.integers(0, 63), max_size=300), clock=st.integers(0, 2**40),
+       start_counts=st.lists(st.sampled_from([0, 5, 2**31 - 2, 2**31 - 1]), min_size=64, max_size=64))
+def test_native_and_torch_header_touch_agree(slots, clock, start_counts):
+    from torchrec_kvzch.store.layout import touch_meta
+
+    meta = make_meta(torch.arange(64), torch.tensor(start_counts))
+    native, twin = meta.clone(), meta.clone()
+    s = torch.tensor(slots, dtype=torch.long)
+    touch_meta(native, s, clock, native=True)
+    touch_meta(twin, s, clock, native=False)
+    assert torch.equal(native, twin)
+    hits = torch.bincount(s, minlength=64)
+    touched = hits > 0
+    want = torch.clamp(torch.tensor(start_counts) + hits, max=2**31 - 1)
+    assert torch.equal(meta_count(native)[touched], want[touched])
+    assert (meta_timestamp(native)[touched] == clock % 2**32).all() and meta_used(native).all()

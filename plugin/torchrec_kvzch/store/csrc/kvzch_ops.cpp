@@ -187,28 +187,24 @@ void uniform_by_id_(at::Tensor out, const at::Tensor& ids, double low, double hi
 
 // Header update for rows read by a training batch: timestamp := clock, count += occurrences
 // (saturating at 2^31 - 1). meta packs timestamp | count << 32 | used << 63 (store/layout.py).
+// Serial on purpose: hot ids repeat within a batch (Zipf), and threads contending for the same
+// rows measured slower (atomics or slot partitioning) than one prefetching pass.
 void touch(at::Tensor meta, const at::Tensor& slots, int64_t clock) {
   TORCH_CHECK(meta.device().is_cpu() && meta.scalar_type() == at::kLong && meta.is_contiguous(),
               "kvzch touch: meta must be a contiguous int64 CPU tensor");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
               "kvzch touch: slots must be a contiguous 1-D int64 tensor");
-  int64_t* m = meta.data_ptr<int64_t>();
+  auto* m = reinterpret_cast<uint64_t*>(meta.data_ptr<int64_t>());
   const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t n = slots.numel();
   const uint64_t ts = static_cast<uint64_t>(clock) & 0xFFFFFFFFULL;
   constexpr uint64_t kCountMask = 0x7FFFFFFFULL;
-  at::parallel_for(0, slots.numel(), 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (i + kPrefetchDistance < end) __builtin_prefetch(m + s[i + kPrefetchDistance]);
-      auto* word = reinterpret_cast<uint64_t*>(m + s[i]);
-      uint64_t old = __atomic_load_n(word, __ATOMIC_RELAXED);
-      uint64_t next;
-      do {  // a row can occur several times in a batch, possibly on two threads
-        const uint64_t count = std::min<uint64_t>(((old >> 32) & kCountMask) + 1, kCountMask);
-        next = (old & (1ULL << 63)) | (count << 32) | ts;
-      } while (!__atomic_compare_exchange_n(word, &old, next, true, __ATOMIC_RELAXED,
-                                            __ATOMIC_RELAXED));
-    }
-  });
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kPrefetchDistance < n) __builtin_prefetch(m + s[i + kPrefetchDistance], 1);
+    const uint64_t old = m[s[i]];
+    const uint64_t count = std::min<uint64_t>(((old >> 32) & kCountMask) + 1, kCountMask);
+    m[s[i]] = (old & (1ULL << 63)) | (count << 32) | ts;
+  }
 }
 
 // Asks the kernel to back a large tensor with transparent huge pages (on systems where THP is

@@ -19,7 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from _dist import run_ranks
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.sharding import KVZCH_KERNEL, KVZCHEmbeddingKernel, KVZCHParameterSharding, kvzch_embedding_bag_config, kvzch_sharders
-from torchrec_kvzch.sharding.planner import KVZCHShardingPlanner
+from torchrec_kvzch.sharding.planner import KVZCHConstraints, KVZCHShardingPlanner
 from torchrec_kvzch.store.layout import RowLayout
 from torchrec_kvzch.store.row_store import RowStore
 
@@ -40,8 +40,12 @@ def model(kv):
 def plan_for(kv, world_size=3, ddr_cap=None, constraints=None):
     topology = Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size,
                         **({"ddr_cap": ddr_cap} if ddr_cap else {}))
-    planner = KVZCHShardingPlanner(kv, topology, batch_size=512, constraints=constraints)
+    planner = KVZCHShardingPlanner(topology, batch_size=512, constraints={**opt_in(kv), **(constraints or {})})
     return planner.plan(model(kv), kvzch_sharders())
+
+
+def opt_in(kv):
+    return {t.name: KVZCHConstraints(kvzch=t) for t in kv}
 
 
 def test_plan_pins_kvzch_tables_to_row_wise_on_our_kernel():
@@ -75,8 +79,8 @@ def test_planner_shard_sizes_equal_our_bucket_split(buckets, world, per_bucket):
 
 def test_storage_counts_the_dram_of_expected_rows():
     kv = tables(expected_rows=120_000)
-    planner = KVZCHShardingPlanner(kv, Topology(world_size=3, compute_device="cpu", local_world_size=3),
-                                   batch_size=512)
+    planner = KVZCHShardingPlanner(Topology(world_size=3, compute_device="cpu", local_world_size=3),
+                                   batch_size=512, constraints=opt_in(kv))
     planner.plan(model(kv), kvzch_sharders())
     options = [o for o in planner._enumerator.last_stored_search_space
                if o.name == "user" and o.compute_kernel == KVZCH_KERNEL]
@@ -109,21 +113,25 @@ def test_misdeclared_tables_are_reported():
     plain_model = EmbeddingBagCollection(tables=[
         EmbeddingBagConfig(name="user", embedding_dim=16, num_embeddings=kv[0].num_embeddings, feature_names=["f"])],
         device=torch.device("meta"))
-    planner = KVZCHShardingPlanner(kv[:1], Topology(world_size=2, compute_device="cpu"), batch_size=64)
+    topology = Topology(world_size=2, compute_device="cpu")
+    planner = KVZCHShardingPlanner(topology, batch_size=64, constraints=opt_in(kv[:1]))
     with pytest.raises(ValueError, match="must be declared with use_virtual_table=True"):
         planner.plan(plain_model, kvzch_sharders())
     with pytest.raises(ValueError, match="KV-ZCH table 'user': constraint sharding_types"):
-        KVZCHShardingPlanner(kv[:1], Topology(world_size=2, compute_device="cpu"),
-                             constraints={"user": ParameterConstraints(sharding_types=["table_wise"])})
+        KVZCHShardingPlanner(topology, constraints={"user": KVZCHConstraints(sharding_types=["table_wise"], kvzch=kv[0])})
+    with pytest.raises(ValueError, match="its KVZCHConstraints carry the parameters of table 'item'"):
+        KVZCHShardingPlanner(topology, constraints={"user": KVZCHConstraints(kvzch=kv[1])})
     with pytest.raises(ValueError, match="'item' is not in the model"):
-        KVZCHShardingPlanner(kv, Topology(world_size=2, compute_device="cpu")).plan(
-            model(kv[:1]), kvzch_sharders())
+        KVZCHShardingPlanner(topology, constraints=opt_in(kv)).plan(model(kv[:1]), kvzch_sharders())
+    with pytest.raises(ValueError, match="table 'plain' is constrained to the KV-ZCH kernel but has no KV-ZCH options"):
+        KVZCHShardingPlanner(topology, constraints={**opt_in(kv), "plain": ParameterConstraints(compute_kernels=[KVZCH_KERNEL])}).plan(
+            model(kv), kvzch_sharders())
 
 
 def plan_and_train(rank, world_size):
     kv = tables()
-    planner = KVZCHShardingPlanner(kv, Topology(world_size=world_size, compute_device="cpu",
-                                                local_world_size=world_size), batch_size=64)
+    planner = KVZCHShardingPlanner(Topology(world_size=world_size, compute_device="cpu",
+                                            local_world_size=world_size), batch_size=64, constraints=opt_in(kv))
     m = model(kv)
     plan = planner.collective_plan(m, kvzch_sharders(), dist.group.WORLD)
     dmp = DistributedModelParallel(m, device=torch.device("cpu"), plan=plan, sharders=kvzch_sharders(),

@@ -34,7 +34,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
 from torchrec_kvzch.params import EvictionPolicy, KVZCHTableParams, OptimizerKind
-from torchrec_kvzch.sharding.planner import KVZCHShardingPlanner
+from torchrec_kvzch.sharding.planner import KVZCHConstraints, KVZCHShardingPlanner
 from torchrec_kvzch.sharding.modules import kvzch_sharders
 from torchrec_kvzch.sharding.tables import kvzch_embedding_bag_config, kvzch_embedding_config
 
@@ -90,7 +90,16 @@ class ShardingConfig:
                 for t in self.tables]
 
     def constraints(self) -> dict[str, ParameterConstraints]:
-        return {t.name: t.constraints for t in self.tables if t.constraints is not None}
+        """Planner constraints: ``KVZCHConstraints`` for KV-ZCH tables (with any planner hints),
+        the given ``planner`` hints for the others."""
+        out = {}
+        for t in self.tables:
+            if t.kvzch is not None:
+                hints = vars(t.constraints) if t.constraints is not None else {}
+                out[t.name] = KVZCHConstraints(**hints, kvzch=t.kvzch)
+            elif t.constraints is not None:
+                out[t.name] = t.constraints
+        return out
 
     def sharders(self) -> list:
         """Sharders; the ordinary tables get the config's fused optimizer."""
@@ -98,7 +107,7 @@ class ShardingConfig:
                                "learning_rate": self.learning_rate, "eps": self.eps})
 
     def planner(self, topology: Topology, batch_size: int) -> KVZCHShardingPlanner:
-        return KVZCHShardingPlanner(self.kvzch_tables, topology, batch_size, self.constraints())
+        return KVZCHShardingPlanner(topology, batch_size, self.constraints())
 
 
 def load_config(path: str | Path) -> ShardingConfig:

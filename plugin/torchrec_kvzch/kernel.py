@@ -32,7 +32,9 @@ from torch import nn
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams, OptimizerKind
 from torchrec_kvzch.store.row_store import RowStore
 
-_CPU_OPTIMIZERS = (OptimizerKind.EXACT_ROWWISE_ADAGRAD, OptimizerKind.EXACT_SGD)
+# fbgemm's TBE keeps Adam's two moments as two flat tensors; the store keeps them side by side
+# in one row, so they cannot be bound without a copy. Rowwise Adagrad and SGD bind directly.
+_KERNEL_OPTIMIZERS = (OptimizerKind.EXACT_ROWWISE_ADAGRAD, OptimizerKind.EXACT_SGD)
 _PRECISION = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}
 
 
@@ -64,10 +66,11 @@ class KVZCHTableKernel(nn.Module):
                 f"KV-ZCH table '{params.name}': embedding_dim {params.embedding_dim} is not a "
                 "multiple of 4, which fbgemm's TBE kernels require; pad the dimension"
             )
-        if not on_cuda and params.optimizer not in _CPU_OPTIMIZERS:
+        if params.optimizer not in _KERNEL_OPTIMIZERS:
             raise ValueError(
-                f"KV-ZCH table '{params.name}': optimizer {params.optimizer.name} has no CPU kernel "
-                "in fbgemm-gpu; use exact_rowwise_adagrad or exact_sgd on CPU (Adam runs on CUDA)"
+                f"KV-ZCH table '{params.name}': the kernel supports exact_rowwise_adagrad and "
+                f"exact_sgd, not {params.optimizer.name} (fbgemm has no CPU Adam, and its CUDA Adam "
+                "needs the two moments apart, which the row store keeps together)"
             )
         self.store = RowStore(params, bucket_range, self.device, backend, initial_rows)
         location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST

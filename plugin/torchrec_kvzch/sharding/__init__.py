@@ -8,6 +8,7 @@ from torchrec_kvzch.sharding.modules import (
     KVZCHParameterSharding,
     kvzch_sharders,
 )
+from torchrec_kvzch.sharding.planner import KVZCHConstraints, KVZCHShardingPlanner
 from torchrec_kvzch.sharding.tables import (
     kvzch_embedding_bag_config,
     kvzch_embedding_config,
@@ -16,6 +17,8 @@ from torchrec_kvzch.sharding.tables import (
 
 __all__ = [
     "KVZCH_KERNEL",
+    "KVZCHConstraints",
+    "KVZCHShardingPlanner",
     "KVZCHEmbeddingBagCollectionSharder",
     "KVZCHEmbeddingCollectionSharder",
     "KVZCHEmbeddingKernel",

@@ -1,5 +1,7 @@
 """Planning KV-ZCH tables with TorchRec's own sharding planner.
 
+A table opts in through its planner constraints: ``KVZCHConstraints(kvzch=KVZCHTableParams(...))``
+is a TorchRec ``ParameterConstraints`` carrying the table's KV-ZCH options.
 ``KVZCHShardingPlanner`` is TorchRec's ``EmbeddingShardingPlanner`` with three additions:
 
 * constraints: KV-ZCH tables are pinned to ROW_WISE on our kernel; every other table is kept
@@ -15,7 +17,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch import nn
@@ -41,6 +43,14 @@ from torchrec_kvzch.store.layout import RowLayout
 from torchrec_kvzch.store.row_store import RowStore
 
 OTHER_KERNELS = [k.value for k in EmbeddingComputeKernel if k.value != KVZCH_KERNEL]
+
+
+@dataclass
+class KVZCHConstraints(ParameterConstraints):
+    """TorchRec planner constraints of a KV-ZCH table: its options, plus any usual constraint
+    (pooling factors, batch sizes...). Sharding type and kernel are set by the planner."""
+
+    kvzch: KVZCHTableParams | None = None
 
 
 class KVZCHPerfConfig(EmbeddingPerfEstimatorConfig):
@@ -73,20 +83,19 @@ class KVZCHStorageEstimator(EmbeddingStorageEstimator):
 
 
 class KVZCHShardingPlanner(EmbeddingShardingPlanner):
-    """TorchRec's planner, aware of the KV-ZCH tables in ``tables``."""
+    """TorchRec's planner; tables whose constraints are ``KVZCHConstraints`` are KV-ZCH tables."""
 
     def __init__(
         self,
-        tables: Sequence[KVZCHTableParams],
         topology: Topology,
         batch_size: int | None = None,
         constraints: dict[str, ParameterConstraints] | None = None,
         **kwargs,
     ) -> None:
-        self._kvzch = {t.name: t for t in tables}
-        self._constraints = dict(constraints or {})
-        for name in self._kvzch:
-            self._constraints[name] = _pinned(name, self._constraints.get(name))
+        # Our own copies: the planner narrows them, the caller's objects stay as given.
+        self._constraints = {name: replace(c) for name, c in (constraints or {}).items()}
+        self._kvzch = {name: _pinned(name, c) for name, c in self._constraints.items()
+                       if isinstance(c, KVZCHConstraints)}
         perf = EmbeddingPerfEstimatorFactory.create_with_config(
             KVZCHPerfConfig(), topology=topology, constraints=self._constraints)
         storage = KVZCHStorageEstimator(topology, self._constraints, self._kvzch)
@@ -132,19 +141,23 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
             if given is None:
                 self._constraints[name] = ParameterConstraints(compute_kernels=OTHER_KERNELS)
             elif given.compute_kernels is None:
-                given.compute_kernels = OTHER_KERNELS
+                given.compute_kernels = OTHER_KERNELS  # our copy
             elif KVZCH_KERNEL in given.compute_kernels:
                 raise ValueError(f"table '{name}' is constrained to the KV-ZCH kernel but has no "
-                                 "KVZCHTableParams; pass its parameters in `tables`")
+                                 "KV-ZCH options; give it KVZCHConstraints(kvzch=KVZCHTableParams(...))")
 
 
-def _pinned(name: str, given: ParameterConstraints | None) -> ParameterConstraints:
-    """The table's constraints, restricted to ROW_WISE on our kernel."""
-    constraints = given or ParameterConstraints()
+def _pinned(name: str, constraints: KVZCHConstraints) -> KVZCHTableParams:
+    """Validates a KV-ZCH table's constraints and restricts them to ROW_WISE on our kernel."""
+    params = constraints.kvzch
+    if not isinstance(params, KVZCHTableParams):
+        raise ValueError(f"table '{name}': KVZCHConstraints.kvzch must be a KVZCHTableParams, got {params!r}")
+    if params.name != name:
+        raise ValueError(f"table '{name}': its KVZCHConstraints carry the parameters of table '{params.name}'")
     for attr, value in (("sharding_types", ROW_WISE), ("compute_kernels", KVZCH_KERNEL)):
         current = getattr(constraints, attr)
         if current is not None and value not in current:
             raise ValueError(f"KV-ZCH table '{name}': constraint {attr}={current} excludes "
                              f"{value!r}, the only option for KV-ZCH tables")
         setattr(constraints, attr, [value])
-    return constraints
+    return params

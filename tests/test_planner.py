@@ -153,3 +153,15 @@ def plan_and_train(rank, world_size):
 def test_collective_plan_then_dmp_on_two_ranks():
     # Both KV-ZCH tables (dims 16 and 32) are served by one kernel on each rank.
     assert run_ranks(2, plan_and_train) == [("KVZCHParameterSharding", [["item", "user"]])] * 2
+
+
+def test_plans_for_a_cuda_topology_charge_device_memory():
+    # Planning needs no GPU: a CUDA topology plans here, with the rows charged to HBM.
+    kv = tables(expected_rows=120_000)
+    planner = KVZCHShardingPlanner(Topology(world_size=2, compute_device="cuda", local_world_size=2),
+                                   batch_size=512, constraints=opt_in(kv))
+    plan = planner.plan(model(kv), kvzch_sharders()).plan[""]
+    assert all(isinstance(plan[t.name], KVZCHParameterSharding) for t in kv)
+    option = next(o for o in planner._enumerator.last_stored_search_space
+                  if o.name == "user" and o.compute_kernel == KVZCH_KERNEL)
+    assert all(s.storage.hbm > 0 and s.storage.ddr == 0 for s in option.shards)

@@ -58,7 +58,8 @@ def build(world_size, case, universe, twin: bool):
             configs.append(to_config(params[name], FEATURES[name], **extra))
     configs.append(table_cls(name="plain", embedding_dim=dims["plain"], num_embeddings=PLAIN_ROWS,
                              feature_names=FEATURES["plain"], **extra))
-    module = collection(tables=configs, device=torch.device("meta"))
+    weighted = {} if sequence else {"is_weighted": case.get("weighted", False)}
+    module = collection(tables=configs, device=torch.device("meta"), **weighted)
     sharders = kvzch_sharders({"optimizer": EmbOptimType(case["optimizer"]), "learning_rate": LR, "eps": EPS})
     kernels = {n: row_wise(compute_kernel="fused") if twin else
                row_wise(compute_kernel=KVZCH_KERNEL, num_buckets=case["buckets"]) for n in ("kv", "kv2")}
@@ -145,8 +146,13 @@ def train_and_compare(rank, world_size, case, steps=3, empty_rank=None):
     for step in range(steps):
         keys, lengths, local = batch(rank, step, universe, case, empty=rank == empty_rank)
         ids = {n: universe[n][local[n]] for n in ("kv", "kv2")}
-        out = values(ours(KeyedJaggedTensor(keys, torch.cat([ids["kv"], ids["kv2"], local["plain"]]), lengths=lengths)))
-        want = values(twin(KeyedJaggedTensor(keys, torch.cat([local["kv"], local["kv2"], local["plain"]]), lengths=lengths)))
+        weights = None
+        if case.get("weighted") and case["pooling"] is not None:
+            weights = torch.rand(int(lengths.sum()), generator=torch.Generator().manual_seed(step))
+        out = values(ours(KeyedJaggedTensor(keys, torch.cat([ids["kv"], ids["kv2"], local["plain"]]),
+                                            lengths=lengths, weights=weights)))
+        want = values(twin(KeyedJaggedTensor(keys, torch.cat([local["kv"], local["kv2"], local["plain"]]),
+                                             lengths=lengths, weights=weights)))
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
         out.backward(grad)
@@ -167,7 +173,8 @@ def random_cases(seed, n):
     return [dict(dim=rng.choice([4, 8, 12]), dim2=rng.choice([4, 16]), buckets=rng.randint(3, 9),
                  pooling=rng.choice([PoolingType.SUM, PoolingType.MEAN, None]),
                  optimizer=rng.choice(["exact_row_wise_adagrad", "exact_sgd"]),
-                 batch=rng.randint(1, 6), max_len=rng.randint(0, 4)) for _ in range(n)]
+                 batch=rng.randint(1, 6), max_len=rng.randint(0, 4), weighted=rng.random() < 0.5)
+            for _ in range(n)]
 
 
 def sweep(rank, world_size, cases, empty_rank=None):
@@ -187,6 +194,10 @@ def test_dmp_uneven_buckets_mean_pooling_sgd_and_an_empty_rank():
     # 5 buckets on 2 ranks: 3 + 2. Rank 1 sends an empty batch every step.
     case = dict(BASE, buckets=5, pooling=PoolingType.MEAN, optimizer="exact_sgd", dim2=12)
     run_ranks(2, sweep, [case], 1)
+
+
+def test_dmp_weighted_features_two_ranks():
+    run_ranks(2, sweep, [dict(BASE, weighted=True), dict(BASE, weighted=True, pooling=PoolingType.MEAN)])
 
 
 def test_dmp_sequence_tables_two_ranks():

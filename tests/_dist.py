@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -24,7 +25,8 @@ def _entry(rank, world_size, port, fn, args, results):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # Plain pickle: by value, not torch's shared-memory handles that die with this process.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -62,7 +64,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
                     break
                 continue
             reported.add(rank)
-            (out.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+            (out.__setitem__(rank, pickle.loads(value)) if ok else errors.append(f"rank {rank}:\n{value}"))
     finally:
         for p in procs:
             p.join(timeout=10)

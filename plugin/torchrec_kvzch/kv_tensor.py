@@ -33,11 +33,12 @@ class KVTensor:
         ids: torch.Tensor | None = None,
         read_only: bool = False,
     ) -> None:
-        """``ids``: the rows to expose, in order; default, the store's live ids bucket-sorted."""
+        """``ids``: the rows to expose, in order; default, the store's live ids bucket-sorted.
+        An ``RowPart.ID`` view (the ids themselves) is always read-only."""
         self.store = store
         self.part = RowPart(part)
         self.ids = store.sorted_ids() if ids is None else as_ids(ids, store.device)
-        self.read_only = read_only
+        self.read_only = read_only or self.part is RowPart.ID
         self._warned = False
 
     # -- tensor-like metadata -----------------------------------------------------------------
@@ -82,7 +83,14 @@ class KVTensor:
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         """Materialise rows ``[start, start + length)`` of the view."""
         self._check_slice(dim, start, length)
+        if self.part is RowPart.ID:
+            return self.ids[start : start + length].unsqueeze(1)
         return self.store.read_ids(self.ids[start : start + length], self.part)
+
+    def slice(self, start: int, length: int) -> "KVTensor":
+        """The view of rows ``[start, start + length)``, still unmaterialised."""
+        self._check_slice(0, start, length)
+        return KVTensor(self.store, self.part, self.ids[start : start + length], self.read_only)
 
     def full_tensor(self) -> torch.Tensor:
         return self.narrow(0, 0, self.shape[0])

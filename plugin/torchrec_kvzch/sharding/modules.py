@@ -28,8 +28,10 @@ from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddi
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingType
 
+from torchrec_kvzch.checkpoint.state_dict import kv_view, load_rows, table_entries
 from torchrec_kvzch.params import KVZCHTableParams
 from torchrec_kvzch.sharding.kernels import FUSED_PARAMS_KEY, KVZCHEmbeddingKernel
+from torchrec_kvzch.sharding.tables import kvzch_tables
 
 KVZCH_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 ROW_WISE = ShardingType.ROW_WISE.value
@@ -92,6 +94,13 @@ class _KVZCHModuleMixin:
     """What TorchRec's sharded modules need changed for tables whose rows live in a store."""
 
     _configs_attr: str  # the instance attribute listing the module's table configs
+    _tables_prefix: str  # where tables sit in the state dict ("embedding_bags." / "embeddings.")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # TorchRec leaves CUSTOMIZED_KERNEL tables out of its state dict; ours add them.
+        self._register_state_dict_hook(_add_kvzch_entries)
+        self._register_load_state_dict_pre_hook(_take_kvzch_entries, with_module=True)
 
     def _kvzch_tables(self) -> set[str]:
         return {t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == KVZCH_KERNEL}
@@ -110,6 +119,7 @@ class _KVZCHModuleMixin:
 
 class KVZCHShardedEmbeddingBagCollection(_KVZCHModuleMixin, ShardedEmbeddingBagCollection):
     _configs_attr = "_embedding_bag_configs"
+    _tables_prefix = "embedding_bags."
 
     @classmethod
     def create_embedding_bag_sharding(cls, sharding_infos, env, device=None,
@@ -125,6 +135,7 @@ class KVZCHShardedEmbeddingBagCollection(_KVZCHModuleMixin, ShardedEmbeddingBagC
 
 class KVZCHShardedEmbeddingCollection(_KVZCHModuleMixin, ShardedEmbeddingCollection):
     _configs_attr = "_embedding_configs"
+    _tables_prefix = "embeddings."
 
     @classmethod
     def create_embedding_sharding(cls, sharding_type, sharding_infos, env, device=None,
@@ -134,6 +145,25 @@ class KVZCHShardedEmbeddingCollection(_KVZCHModuleMixin, ShardedEmbeddingCollect
                                                      qcomm_codecs_registry)
         return KVZCHRwSequenceSharding(sharding_infos=sharding_infos, env=env, device=device,
                                        qcomm_codecs_registry=qcomm_codecs_registry)
+
+
+def _add_kvzch_entries(module, destination, prefix, local_metadata):
+    destination.update(table_entries(kvzch_tables(module), prefix + module._tables_prefix,
+                                     module._env.process_group))
+    return destination
+
+
+def _take_kvzch_entries(module, state_dict, prefix, *args) -> None:
+    """Removes our tables' entries before TorchRec's own checks. Entries that are this model's
+    own views (a state dict loaded in place by DCP) need nothing more; materialised rows (e.g.
+    from ``torch.load``) are written into the stores."""
+    for name, kernel in kvzch_tables(module):
+        base = f"{prefix}{module._tables_prefix}{name}."
+        entries = {k: state_dict.pop(base + k) for k in ("weight", "weight_id", "bucket")
+                   if base + k in state_dict}
+        view = kv_view(entries.get("weight"))
+        if "weight" in entries and (view is None or view.store is not kernel.store):
+            load_rows(kernel.store, entries["weight"], entries.get("weight_id"))
 
 
 # -- sharders ----------------------------------------------------------------------------------

@@ -114,6 +114,8 @@ class RowStore:
             return self.weights[slots]
         if part is RowPart.OPTIMIZER:
             return self.optimizer[slots]
+        if part is RowPart.ID:
+            return self.map.slot_keys[slots].unsqueeze(1)
         return self.layout.pack(self.map.slot_keys[slots], self.meta[slots], self.weights[slots],
                                 self.optimizer[slots])
 
@@ -151,6 +153,9 @@ class RowStore:
         """Overwrite ``part`` of live rows at ``slots`` (whole rows: weight, optimizer and the
         header's meta word; the key is the slot's id and cannot change here)."""
         part = RowPart(part)
+        if part is RowPart.ID:
+            raise ValueError(f"table '{self.params.name}': ids are keys, not values; "
+                             "write rows by id (write_ids / write_rows) instead")
         slots = slots.reshape(-1).long()
         values = self._check_values(values, slots.numel(), part)
         if part is RowPart.WEIGHT:

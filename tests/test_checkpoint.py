@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.types import ShardingEnv
@@ -19,15 +20,15 @@ from torchrec_kvzch.sharding import KVZCHConstraints, KVZCHShardingPlanner, kvzc
 BUCKETS = 12  # uneven on 5 and 7 ranks, even on 1, 2, 3
 
 
-def tables(chunk):
+def tables(chunk, dims=(("user", 8), ("item", 12))):
     return [KVZCHTableParams(n, d, num_embeddings=BUCKETS * 2**36, total_num_buckets=BUCKETS, learning_rate=0.1,
                              enable_optimizer_offloading=True, backend_return_whole_row=True,
                              checkpoint_chunk_rows=chunk, expected_rows=2000)
-            for n, d in (("user", 8), ("item", 12))]
+            for n, d in dims]
 
 
-def build(world_size, chunk):
-    kv = tables(chunk)
+def build(world_size, chunk, dims=(("user", 8), ("item", 12))):
+    kv = tables(chunk, dims)
     plain = EmbeddingBagConfig(name="plain", embedding_dim=4, num_embeddings=50, feature_names=["f_plain"])
     ebc = EmbeddingBagCollection(tables=[kvzch_embedding_bag_config(t, [f"f_{t.name}"]) for t in kv] + [plain],
                                  device=torch.device("meta"))
@@ -38,12 +39,12 @@ def build(world_size, chunk):
                                     env=ShardingEnv.from_process_group(dist.group.WORLD))
 
 
-def batch(seed, n=16):
+def batch(seed, n=16, names=("user", "item")):
     gen = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, BUCKETS * 2**36, (2 * n,), generator=gen) for _ in range(2)]
+    ids = [torch.randint(0, BUCKETS * 2**36, (2 * n,), generator=gen) for _ in names]
     plain = torch.randint(0, 50, (2 * n,), generator=gen)
-    return KeyedJaggedTensor(keys=["f_user", "f_item", "f_plain"], values=torch.cat([*ids, plain]),
-                             lengths=torch.full((3 * n,), 2))
+    return KeyedJaggedTensor(keys=[f"f_{t}" for t in names] + ["f_plain"], values=torch.cat([*ids, plain]),
+                             lengths=torch.full(((len(names) + 1) * n,), 2))
 
 
 def all_rows(model):
@@ -97,3 +98,31 @@ def test_save_and_load_at_any_world_size(tmp_path, save_world, load_world):
     if save_world == load_world:  # same local batches: identical outputs
         for out, probe in zip(outs, probes):
             assert torch.equal(out, probe)
+
+
+def load_mismatched(rank, world_size, path, dims):
+    model = build(world_size, 7, dims)
+    model(batch(77, names=[n for n, _ in dims])).wait().values().sum().backward()
+    before = all_rows(model)
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=path, planner=KVZCHLoadPlanner(checkpoint_id=path))
+    except CheckpointException as e:  # DCP's wrapper of every rank's error (a BaseException)
+        error = str(e)
+    else:
+        error = None
+    after = all_rows(model)
+    unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    return error, unchanged
+
+
+@pytest.mark.parametrize("dims, fragment", [
+    ((("user", 8), ("item", 16)), "KV-ZCH table 'item' was saved with rows of [20] torch.float32, this model has [24]"),
+    ((("user", 8), ("item", 12), ("extra", 4)), "has no rows for KV-ZCH table 'extra'"),
+])
+def test_mismatched_checkpoint_is_refused_before_any_row_changes(tmp_path, dims, fragment):
+    path = str(tmp_path / "ckpt")
+    run_ranks(1, train_and_save, path, 7, 1)
+    for error, unchanged in run_ranks(2, load_mismatched, path, dims):
+        assert error is not None and fragment in error and path in error
+        assert unchanged

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -34,8 +35,9 @@ def build(world_size, chunk, dims=(("user", 8), ("item", 12))):
                                  device=torch.device("meta"))
     planner = KVZCHShardingPlanner(Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
                                    batch_size=64, constraints={t.name: KVZCHConstraints(kvzch=t) for t in kv})
-    plan = planner.collective_plan(ebc, kvzch_sharders(), dist.group.WORLD)
-    return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=kvzch_sharders(),
+    sharders = kvzch_sharders({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1})
+    plan = planner.collective_plan(ebc, sharders, dist.group.WORLD)
+    return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=sharders,
                                     env=ShardingEnv.from_process_group(dist.group.WORLD))
 
 
@@ -59,12 +61,49 @@ def all_rows(model):
     return {k: v for g in gathered for k, v in g.items()}
 
 
+def check_optimizer_entries(state):
+    """KV-ZCH optimizer state: read-only views whose global size counts every rank's rows."""
+    from torchrec_kvzch.checkpoint.state_dict import kv_view
+
+    for name in ("user", "item"):
+        entry = state["optim"]["state"][f"embedding_bags.{name}.weight"][f"{name}.momentum1"]
+        view = kv_view(entry)
+        assert view is not None and view.read_only and view.part.value == "optimizer"
+        rows = torch.tensor([kernel.store.sorted_ids().numel() for n, kernel in kvzch_tables_of(state) if n == name])
+        total = torch.tensor(entry.size(0))
+        dist.all_reduce(rows)
+        assert int(rows.sum()) == int(total) == state["model"][f"embedding_bags.{name}.weight"].size(0)
+
+
+def kvzch_tables_of(state):
+    """(name, kernel) of the tables behind a state dict's KV-ZCH entries."""
+    from torchrec_kvzch.checkpoint.state_dict import kv_view
+
+    for key, entry in state["model"].items():
+        view = kv_view(entry)
+        if view is not None and key.endswith(".weight"):
+            yield key.split(".")[-2], type("K", (), {"store": view.store})
+
+
+def plain_momentum(optim_state):
+    """The ordinary FUSED table's rowwise-Adagrad state, gathered over ranks."""
+    entry = optim_state["state"]["embedding_bags.plain.weight"]["plain.momentum1"]
+    local = {s.metadata.shard_offsets[0]: s.tensor.clone() for s in entry.local_shards()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged = {k: v for g in gathered for k, v in g.items()}
+    return torch.cat([merged[k] for k in sorted(merged)])
+
+
 def train_and_save(rank, world_size, path, chunk, steps):
     model = build(world_size, chunk)
     for step in range(steps):
         model(batch(100 * step + rank)).wait().values().sum().backward()
-    dcp.save({"model": model.state_dict()}, checkpoint_id=path, planner=KVZCHSavePlanner())
+    state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+    check_optimizer_entries(state)
+    dcp.save(state, checkpoint_id=path, planner=KVZCHSavePlanner())
     rows = all_rows(model)
+    rows["plain momentum"] = plain_momentum(state["optim"])
     # New ids of the probe get id-seeded rows, the same wherever they are created.
     return rows, model(batch(999)).wait().values().detach()
 
@@ -72,13 +111,15 @@ def train_and_save(rank, world_size, path, chunk, steps):
 def load_and_compare(rank, world_size, path, chunk, expected_rows, probes):
     model = build(world_size, chunk)
     model(batch(5000 + rank)).wait().values().sum().backward()  # rows that the load must drop
-    state = {"model": model.state_dict()}
+    state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
     dcp.load(state, checkpoint_id=path, planner=KVZCHLoadPlanner(checkpoint_id=path))
     model.load_state_dict(state["model"])
+    model.fused_optimizer.load_state_dict(state["optim"])
     rows = all_rows(model)
+    rows["plain momentum"] = plain_momentum(model.fused_optimizer.state_dict())
     assert rows.keys() == expected_rows.keys()
     for key, row in rows.items():
-        assert torch.equal(row, expected_rows[key]), key
+        assert torch.equal(row, expected_rows[key]), key  # whole rows: header, weight, optimizer
     # Each rank holds exactly the rows of its buckets.
     for name, kernel in kvzch_tables(model):
         r = kernel.store.bucket_range

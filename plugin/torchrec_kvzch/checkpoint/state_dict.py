@@ -59,11 +59,15 @@ def kv_view(entry) -> KVTensor | None:
 
 
 def table_entries(tables: Iterator[tuple[str, KVZCHTableKernel]], prefix: str,
-                  pg: dist.ProcessGroup | None) -> dict[str, ShardedTensor]:
-    """``{prefix}{table}.weight / .weight_id / .bucket`` for every KV-ZCH table shard here."""
+                  pg: dist.ProcessGroup | None) -> tuple[dict[str, ShardedTensor], dict[str, dict]]:
+    """Model entries ``{prefix}{table}.weight / .weight_id / .bucket`` for every KV-ZCH table
+    shard here, and each table's optimizer state entries, from one snapshot of its ids.
+
+    Optimizer state is exposed as ``{table}.momentum1`` (rowwise Adagrad's accumulator, as
+    TorchRec names it): read-only when whole rows already carry it, else writable."""
     snapshots = [TableSnapshot(name, kernel, kernel.store.sorted_ids()) for name, kernel in tables]
     rows = row_counts_by_rank({s.name: s.ids.numel() for s in snapshots}, pg)
-    out = {}
+    out, optimizer = {}, {}
     for snap in snapshots:
         params = snap.store.params
         part = RowPart.ROW if params.backend_return_whole_row else RowPart.WEIGHT
@@ -73,7 +77,11 @@ def table_entries(tables: Iterator[tuple[str, KVZCHTableKernel]], prefix: str,
         out[f"{prefix}{snap.name}.weight_id"] = rows_sharded_tensor(
             KVTensor(snap.store, RowPart.ID, snap.ids), counts, pg)
         out[f"{prefix}{snap.name}.bucket"] = bucket_sharded_tensor(snap, pg)
-    return out
+        optimizer[snap.name] = {} if not snap.store.layout.optimizer_floats else {
+            f"{snap.name}.momentum1": rows_sharded_tensor(
+                KVTensor(snap.store, RowPart.OPTIMIZER, snap.ids,
+                         read_only=params.backend_return_whole_row), counts, pg)}
+    return out, optimizer
 
 
 def row_counts_by_rank(local: dict[str, int], pg: dist.ProcessGroup | None) -> dict[str, list[int]]:

@@ -50,11 +50,19 @@ def shard_bucket_range(params: KVZCHTableParams, table: ShardedEmbeddingTable,
 
 class KVZCHFusedOptimizer(FusedOptimizer):
     """The optimizer step runs inside backward (fbgemm's fused update); step() has nothing to do.
-    Optimizer state lives in the row store."""
+    Optimizer state lives in the row store; ``state`` holds views of it, refreshed by
+    ``set_state`` whenever the model's state dict is taken (row counts change over time)."""
 
     def __init__(self, params: dict[str, torch.Tensor]) -> None:
-        super().__init__(params, {p: {} for p in params.values()},
-                         [{"params": list(params.values())}])
+        super().__init__(params, {}, [{"params": list(params.values())}])
+        self._table_of = {id(p): key.split(".")[-2] for key, p in params.items()}  # "<t>.weight"
+
+    def set_state(self, by_table: dict[str, dict]) -> None:
+        """Point each table's state at fresh views: ``{table: {state name: tensor}}``."""
+        for param in self.params.values():
+            table_state = by_table.get(self._table_of[id(param)])
+            if table_state:
+                self.state[param] = table_state
 
     def step(self, closure: Any = None) -> None:
         pass

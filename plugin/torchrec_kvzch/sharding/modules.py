@@ -31,7 +31,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingType
 from torchrec_kvzch.checkpoint.state_dict import kv_view, load_rows, table_entries
 from torchrec_kvzch.params import KVZCHTableParams
 from torchrec_kvzch.sharding.kernels import FUSED_PARAMS_KEY, KVZCHEmbeddingKernel
-from torchrec_kvzch.sharding.tables import kvzch_tables
+from torchrec_kvzch.sharding.tables import kvzch_kernels, kvzch_tables
 
 KVZCH_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 ROW_WISE = ShardingType.ROW_WISE.value
@@ -148,8 +148,12 @@ class KVZCHShardedEmbeddingCollection(_KVZCHModuleMixin, ShardedEmbeddingCollect
 
 
 def _add_kvzch_entries(module, destination, prefix, local_metadata):
-    destination.update(table_entries(kvzch_tables(module), prefix + module._tables_prefix,
-                                     module._env.process_group))
+    entries, optimizer_state = table_entries(kvzch_tables(module), prefix + module._tables_prefix,
+                                             module._env.process_group)
+    destination.update(entries)
+    # The fused optimizer's state (what its state_dict() returns) follows the same snapshot.
+    for kernel in kvzch_kernels(module):
+        kernel.fused_optimizer.set_state(optimizer_state)
     return destination
 
 

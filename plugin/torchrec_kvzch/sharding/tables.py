@@ -37,11 +37,17 @@ def _common(params: KVZCHTableParams, feature_names: Sequence[str]) -> dict:
                 total_num_buckets=params.total_num_buckets, use_virtual_table=True)
 
 
-def kvzch_tables(model: nn.Module) -> Iterator[tuple[str, KVZCHTableKernel]]:
-    """(table name, kernel) for every KV-ZCH table shard held by this rank of a sharded model;
-    ``kernel.store`` is the table's row store."""
+def kvzch_kernels(model: nn.Module) -> Iterator[KVZCHEmbeddingKernel]:
+    """The KV-ZCH kernels (one per group of tables) on this rank of a sharded model."""
     for module in model.modules():
         for lookup in getattr(module, "_lookups", ()):
             for emb in getattr(lookup, "_emb_modules", ()):
                 if isinstance(emb, KVZCHEmbeddingKernel):
-                    yield from emb.tables.items()
+                    yield emb
+
+
+def kvzch_tables(model: nn.Module) -> Iterator[tuple[str, KVZCHTableKernel]]:
+    """(table name, kernel) for every KV-ZCH table shard held by this rank of a sharded model;
+    ``kernel.store`` is the table's row store."""
+    for emb in kvzch_kernels(model):
+        yield from emb.tables.items()

@@ -21,15 +21,15 @@ from torchrec_kvzch.sharding import KVZCHConstraints, KVZCHShardingPlanner, kvzc
 BUCKETS = 12  # uneven on 5 and 7 ranks, even on 1, 2, 3
 
 
-def tables(chunk, dims=(("user", 8), ("item", 12))):
+def tables(chunk, dims=(("user", 8), ("item", 12)), whole_row=True):
     return [KVZCHTableParams(n, d, num_embeddings=BUCKETS * 2**36, total_num_buckets=BUCKETS, learning_rate=0.1,
-                             enable_optimizer_offloading=True, backend_return_whole_row=True,
+                             enable_optimizer_offloading=True, backend_return_whole_row=whole_row,
                              checkpoint_chunk_rows=chunk, expected_rows=2000)
             for n, d in dims]
 
 
-def build(world_size, chunk, dims=(("user", 8), ("item", 12))):
-    kv = tables(chunk, dims)
+def build(world_size, chunk, dims=(("user", 8), ("item", 12)), whole_row=True):
+    kv = tables(chunk, dims, whole_row)
     plain = EmbeddingBagConfig(name="plain", embedding_dim=4, num_embeddings=50, feature_names=["f_plain"])
     ebc = EmbeddingBagCollection(tables=[kvzch_embedding_bag_config(t, [f"f_{t.name}"]) for t in kv] + [plain],
                                  device=torch.device("meta"))
@@ -49,26 +49,28 @@ def batch(seed, n=16, names=("user", "item")):
                              lengths=torch.full(((len(names) + 1) * n,), 2))
 
 
-def all_rows(model):
-    """{(table, id): whole row} over all ranks."""
+def all_rows(model, whole=True):
+    """{(table, id): whole row (or weight + optimizer state)} over all ranks, as raw bits."""
     mine = {}
     for name, kernel in kvzch_tables(model):
         ids = kernel.store.sorted_ids()
-        rows = kernel.store.read_ids(ids, "row")
+        rows = (kernel.store.read_ids(ids, "row") if whole else
+                torch.cat([kernel.store.read_ids(ids, "weight"), kernel.store.read_ids(ids, "optimizer")], 1))
         mine.update(((name, i), r.view(torch.int32)) for i, r in zip(ids.tolist(), rows))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return {k: v for g in gathered for k, v in g.items()}
 
 
-def check_optimizer_entries(state):
-    """KV-ZCH optimizer state: read-only views whose global size counts every rank's rows."""
+def check_optimizer_entries(state, read_only):
+    """KV-ZCH optimizer state: views (read-only with whole rows) whose global size counts every
+    rank's rows."""
     from torchrec_kvzch.checkpoint.state_dict import kv_view
 
     for name in ("user", "item"):
         entry = state["optim"]["state"][f"embedding_bags.{name}.weight"][f"{name}.momentum1"]
         view = kv_view(entry)
-        assert view is not None and view.read_only and view.part.value == "optimizer"
+        assert view is not None and view.read_only == read_only and view.part.value == "optimizer"
         rows = torch.tensor([kernel.store.sorted_ids().numel() for n, kernel in kvzch_tables_of(state) if n == name])
         total = torch.tensor(entry.size(0))
         dist.all_reduce(rows)
@@ -95,27 +97,27 @@ def plain_momentum(optim_state):
     return torch.cat([merged[k] for k in sorted(merged)])
 
 
-def train_and_save(rank, world_size, path, chunk, steps):
-    model = build(world_size, chunk)
+def train_and_save(rank, world_size, path, chunk, steps, whole_row=True):
+    model = build(world_size, chunk, whole_row=whole_row)
     for step in range(steps):
         model(batch(100 * step + rank)).wait().values().sum().backward()
     state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
-    check_optimizer_entries(state)
+    check_optimizer_entries(state, read_only=whole_row)
     dcp.save(state, checkpoint_id=path, planner=KVZCHSavePlanner())
-    rows = all_rows(model)
+    rows = all_rows(model, whole_row)
     rows["plain momentum"] = plain_momentum(state["optim"])
     # New ids of the probe get id-seeded rows, the same wherever they are created.
     return rows, model(batch(999)).wait().values().detach()
 
 
-def load_and_compare(rank, world_size, path, chunk, expected_rows, probes):
-    model = build(world_size, chunk)
+def load_and_compare(rank, world_size, path, chunk, expected_rows, probes, whole_row=True):
+    model = build(world_size, chunk, whole_row=whole_row)
     model(batch(5000 + rank)).wait().values().sum().backward()  # rows that the load must drop
     state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
     dcp.load(state, checkpoint_id=path, planner=KVZCHLoadPlanner(checkpoint_id=path))
     model.load_state_dict(state["model"])
     model.fused_optimizer.load_state_dict(state["optim"])
-    rows = all_rows(model)
+    rows = all_rows(model, whole_row)
     rows["plain momentum"] = plain_momentum(model.fused_optimizer.state_dict())
     assert rows.keys() == expected_rows.keys()
     for key, row in rows.items():
@@ -128,14 +130,15 @@ def load_and_compare(rank, world_size, path, chunk, expected_rows, probes):
     return model(batch(999)).wait().values().detach() if world_size == len(probes) else None
 
 
-@pytest.mark.parametrize("save_world, load_world", [(2, 2), (1, 2), (2, 1), (2, 3), (3, 2)])
-def test_save_and_load_at_any_world_size(tmp_path, save_world, load_world):
+@pytest.mark.parametrize("save_world, load_world, whole_row", [
+    (2, 2, True), (1, 2, True), (2, 1, True), (2, 3, True), (3, 2, True), (2, 2, False), (2, 3, False)])
+def test_save_and_load_at_any_world_size(tmp_path, save_world, load_world, whole_row):
     path = str(tmp_path / "ckpt")
-    saved = run_ranks(save_world, train_and_save, path, 7, 3)
+    saved = run_ranks(save_world, train_and_save, path, 7, 3, whole_row)
     expected = saved[0][0]
     assert len(expected) > 50
     probes = [p for _, p in saved]
-    outs = run_ranks(load_world, load_and_compare, path, 7, expected, probes)
+    outs = run_ranks(load_world, load_and_compare, path, 7, expected, probes, whole_row)
     if save_world == load_world:  # same local batches: identical outputs
         for out, probe in zip(outs, probes):
             assert torch.equal(out, probe)

@@ -12,6 +12,10 @@ ranks whose buckets overlap its own. Each rank reads exactly those ranks' rows, 
 and writes each whole row into its store by the id in the row's header, skipping rows of
 buckets it does not own. Memory stays bounded by a chunk; any world size can load any other's
 checkpoint. Optimizer state inside whole rows and the ``weight_id`` column need no loading.
+
+Tables without ``backend_return_whole_row`` take the legacy path: weights, ids and optimizer
+state of those rows are read in full, held until all three have arrived, then written by id.
+It needs memory for all of them at once (what whole rows avoid) and exists for comparison.
 """
 
 from __future__ import annotations
@@ -65,26 +69,29 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False):
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        self._sinks = {}
+        self._sinks, self._legacy = {}, {}
         saved_rows = getattr(metadata.planner_data, "kvzch_rows", None)
-        for fqn, obj in list(self.state_dict.items()):
-            view = kv_view(obj)
-            if view is None:
-                continue
-            if view.read_only:  # ids / optimizer state already inside whole rows: read nothing
-                saved = metadata.state_dict_metadata.get(fqn)
+        views = {fqn: v for fqn, obj in self.state_dict.items() if (v := kv_view(obj)) is not None}
+        # The rows' layout comes from each table's weight entry; its other entries follow it.
+        ranges = {v.store: self._row_range(fqn, v, metadata, saved_rows)
+                  for fqn, v in views.items() if v.part in (RowPart.ROW, RowPart.WEIGHT)}
+        for fqn, view in views.items():
+            saved = metadata.state_dict_metadata.get(fqn)
+            begin, end = ranges.get(view.store, (0, 0))
+            legacy = not view.store.params.backend_return_whole_row
+            if saved is None or (not legacy and view.part is not RowPart.ROW):
+                # Whole rows already hold ids and optimizer state: read nothing for those.
                 self.state_dict[fqn] = _RowSink(saved.size, 0, 0) if saved is not None else None
                 if saved is None:
                     del self.state_dict[fqn]
                 continue
-            if view.part is not RowPart.ROW:
-                raise NotImplementedError(
-                    f"table '{view.store.params.name}': loading without backend_return_whole_row "
-                    "is not supported yet")
-            self.state_dict[fqn] = self._destination(fqn, view, metadata, saved_rows)
+            self.state_dict[fqn] = _RowSink(saved.size, begin, end)
+            if legacy:
+                table = self._legacy.setdefault(view.store, _LegacyTable(view.store, end - begin))
+                table.expect(fqn, view, saved.size[1], saved.properties.dtype)
             self._sinks[fqn] = view
 
-    def _destination(self, fqn: str, view: KVTensor, metadata: Metadata, saved_rows) -> "_RowSink":
+    def _row_range(self, fqn: str, view: KVTensor, metadata: Metadata, saved_rows) -> tuple[int, int]:
         """This rank's slice of the saved rows: those of the old ranks overlapping its buckets."""
         table = view.store.params
         saved = metadata.state_dict_metadata.get(fqn)
@@ -107,12 +114,14 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
                        if _overlaps(table.bucket_range(r, len(rows)), mine) and rows[r]]
         begin = starts[overlapping[0]] if overlapping else 0
         end = starts[overlapping[-1]] + rows[overlapping[-1]] if overlapping else 0
-        return _RowSink(saved.size, begin, end)
+        return begin, end
 
     def finish_plan(self, new_plan):
         # Every rank's plan is valid: replace the stores' rows with the checkpoint's.
         for view in self._sinks.values():
             view.store.clear()
+        for table in self._legacy.values():
+            table.apply_if_complete()  # a shard with no saved rows is complete already
         return super().finish_plan(new_plan)
 
     def resolve_tensor(self, read_item):
@@ -122,13 +131,49 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
         return torch.empty(list(read_item.lengths), dtype=view.dtype)
 
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
-        view = self._sinks.get(read_item.dest_index.fqn)
+        fqn = read_item.dest_index.fqn
+        view = self._sinks.get(fqn)
         if view is None:
             return super().commit_tensor(read_item, tensor)
+        if view.store in self._legacy:
+            return self._legacy[view.store].receive(fqn, read_item, tensor)
         keys = view.store.layout.unpack(tensor)[0]
         r = view.store.bucket_range
         mine = (keys >= r.id_start) & (keys < r.id_end)
         view.store.write_rows(tensor if bool(mine.all()) else tensor[mine])
+
+
+class _LegacyTable:
+    """Holds a table's weights, ids and optimizer state until all have arrived, then writes
+    the rows of this shard's buckets by id."""
+
+    def __init__(self, store, rows: int) -> None:
+        self.store, self.rows = store, rows
+        self.buffers: dict[RowPart, torch.Tensor] = {}
+        self.begin: dict[str, int] = {}
+        self.parts: dict[str, RowPart] = {}
+        self.filled = 0
+
+    def expect(self, fqn: str, view: KVTensor, width: int, dtype: torch.dtype) -> None:
+        self.parts[fqn] = view.part
+        self.buffers[view.part] = torch.empty(self.rows, width, dtype=dtype)
+
+    def receive(self, fqn: str, read_item, tensor: torch.Tensor) -> None:
+        start = read_item.dest_offsets[0]
+        self.buffers[self.parts[fqn]][start : start + tensor.shape[0]] = tensor
+        self.filled += tensor.shape[0]
+        self.apply_if_complete()
+
+    def apply_if_complete(self) -> None:
+        if self.filled != self.rows * len(self.buffers) or not self.buffers:
+            return
+        ids = self.buffers[RowPart.ID].reshape(-1)
+        r = self.store.bucket_range
+        mine = (ids >= r.id_start) & (ids < r.id_end)
+        self.store.write_ids(ids[mine], self.buffers[RowPart.WEIGHT][mine], RowPart.WEIGHT)
+        if RowPart.OPTIMIZER in self.buffers:
+            self.store.write_ids(ids[mine], self.buffers[RowPart.OPTIMIZER][mine], RowPart.OPTIMIZER)
+        self.buffers.clear()
 
 
 class _RowSink:

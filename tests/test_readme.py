@@ -10,10 +10,13 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def test_readme_python_examples_run():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) >= 4
+    assert len(blocks) >= 5
     checks = ("\nassert item.bucket_range(1, 3).start == 342"
               "\nassert slots.tolist() == [0, 1, 0]"
-              "\nassert out.shape == (2, 64)\nprint('readme ok')\n")
+              "\nassert out.shape == (2, 64)"
+              "\nfrom torchrec_kvzch.sharding import kvzch_tables"
+              "\nassert {n: len(k.store) for n, k in kvzch_tables(model)} == {'user': 2}"
+              "\nprint('readme ok')\n")
     # A subprocess: the DMP example initialises (and destroys) a process group.
     run = subprocess.run([sys.executable, "-c", "\n".join(blocks) + checks], cwd=README.parent,
                          capture_output=True, text=True, timeout=300)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -34,3 +35,12 @@ def zipf_ranks(n: int, size: int, alpha: float, gen: torch.Generator) -> torch.T
     """``size`` draws of ranks in ``[0, n)`` with P(rank k) proportional to 1 / (k + 1)^alpha."""
     weights = torch.arange(1, n + 1, dtype=torch.float64).pow(-alpha)
     return torch.multinomial(weights, size, replacement=True, generator=gen)
+
+
+def torchrun(script: str, nproc: int, args: list[str]) -> None:
+    """Run ``script`` on ``nproc`` local ranks (gloo), each with its share of the cores."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(29500 + os.getpid() % 1000),
+           script, *args]
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=threads))

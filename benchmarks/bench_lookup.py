@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +31,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from tqdm import tqdm
 
-from _common import same_huge_pages_for_the_baseline, zipf_ranks
+from _common import same_huge_pages_for_the_baseline, torchrun, zipf_ranks
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.kernel import KVZCHTableKernel
 
@@ -86,11 +83,9 @@ def two_process(args) -> dict:
     """Run the DMP comparison on 2 local ranks under torchrun; returns rank 0's results."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rank0.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_addr", "127.0.0.1", "--master_port", str(29500 + os.getpid() % 1000),
-               __file__, "--worker", str(out), "--json", str(out), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--batch", str(args.batch), "--pooling", str(args.pooling)]
-        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        torchrun(__file__, 2, ["--worker", str(out), "--json", str(out), "--steps", str(args.steps),
+                               "--warmup", str(args.warmup), "--batch", str(args.batch),
+                               "--pooling", str(args.pooling)])
         return json.loads(out.read_text())
 
 
@@ -107,7 +102,6 @@ def worker(args) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
     config = load_config(CONFIG)
     model = EmbeddingBagCollection(tables=config.embedding_bag_configs(), device=torch.device("meta"))
     topology = Topology(world_size=world, compute_device="cpu", local_world_size=world)

@@ -64,7 +64,7 @@ def bench_maps(n_keys: int, reps: int, with_dict: bool) -> dict:
     twin.slot_keys, twin.size, twin._occupied = native.slot_keys.clone(), native.size, native._occupied
     for name, m in (("native", native), ("torch", twin)):
         batches = BatchSource(keys, seed=1).take(reps + 2)
-        out[f"{name}_ms"] = median_ms(lambda: m.find_or_insert(next(batches)), reps)
+        out[f"{name}_ms"] = median_ms(lambda m=m, b=batches: m.find_or_insert(next(b)), reps)
     if with_dict:
         table = dict(zip(keys.tolist(), range(n_keys)))
         dict_reps = max(3, reps // 3)

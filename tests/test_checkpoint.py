@@ -124,7 +124,7 @@ def load_and_compare(rank, world_size, path, chunk, expected_rows, probes, whole
     for key, row in rows.items():
         assert torch.equal(row, expected_rows[key]), key  # whole rows: header, weight, optimizer
     # Each rank holds exactly the rows of its buckets.
-    for name, kernel in kvzch_tables(model):
+    for _, kernel in kvzch_tables(model):
         r = kernel.store.bucket_range
         ids = kernel.store.sorted_ids()
         assert ((ids >= r.id_start) & (ids < r.id_end)).all()
@@ -203,3 +203,21 @@ def test_save_plan_caching_reuses_plans_and_stays_correct(tmp_path):
     assert len(snapshots[2][0]) > len(snapshots[1][0])
     for i, (rows, _) in enumerate(snapshots):
         run_ranks(2, load_and_compare, f"{root}/save{i}", 7, rows, [None, None, None])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_missing_or_truncated_files_are_refused_before_any_row_changes(tmp_path, damage):
+    import os
+
+    path = str(tmp_path / "ckpt")
+    run_ranks(1, train_and_save, path, 7, 1)
+    data = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
+    target = os.path.join(path, data)
+    if damage == "truncate":
+        os.truncate(target, os.path.getsize(target) // 2)
+    else:
+        os.remove(target)
+    for error, unchanged in run_ranks(2, load_mismatched, path, (("user", 8), ("item", 12))):
+        assert error is not None and unchanged
+        assert target in error and ("is truncated" if damage == "truncate" else "is missing") in error
+        assert "KV-ZCH table" in error

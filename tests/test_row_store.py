@@ -194,3 +194,17 @@ def test_native_and_torch_header_touch_agree(slots, clock, start_counts):
     want = torch.clamp(torch.tensor(start_counts) + hits, max=2**31 - 1)
     assert torch.equal(meta_count(native)[touched], want[touched])
     assert (meta_timestamp(native)[touched] == clock % 2**32).all() and meta_used(native).all()
+
+
+@pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", "exact_sgd", "adam"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@given(n=st.integers(1, 300), dim=st.integers(1, 19), seed=st.integers(0, 99))
+def test_native_row_gather_matches_the_torch_pack(optimizer, dtype, n, dim, seed):
+    p = params(dim, optimizer=optimizer, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    store = trained_store(p, torch.randint(0, 2**40, (n,), generator=gen).unique(), seed)
+    assert store._native
+    slots = torch.randint(0, len(store), (2 * n,), generator=gen)  # repeats, any order
+    want = store.layout.pack(store.map.slot_keys[slots], store.meta[slots], store.weights[slots],
+                             store.optimizer[slots])
+    assert torch.equal(bits(store.read(slots, RowPart.ROW)), bits(want))

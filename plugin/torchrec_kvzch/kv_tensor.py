@@ -32,12 +32,18 @@ class KVTensor:
         part: RowPart | str = RowPart.WEIGHT,
         ids: torch.Tensor | None = None,
         read_only: bool = False,
+        slots: tuple[torch.Tensor, int] | None = None,
     ) -> None:
         """``ids``: the rows to expose, in order; default, the store's live ids bucket-sorted.
-        An ``RowPart.ID`` view (the ids themselves) is always read-only."""
+        ``slots``: (their slots, store epoch) when known, to read without hash lookups while the
+        epoch holds. An ``RowPart.ID`` view (the ids themselves) is always read-only."""
         self.store = store
         self.part = RowPart(part)
-        self.ids = store.sorted_ids() if ids is None else as_ids(ids, store.device)
+        if ids is None:
+            ids, cached, epoch = store.snapshot()
+            slots = (cached, epoch)
+        self.ids = as_ids(ids, store.device)
+        self._slots = slots
         self.read_only = read_only or self.part is RowPart.ID
         self._warned = False
 
@@ -85,12 +91,15 @@ class KVTensor:
         self._check_slice(dim, start, length)
         if self.part is RowPart.ID:
             return self.ids[start : start + length].unsqueeze(1)
+        if self._slots is not None and self._slots[1] == self.store.epoch:
+            return self.store.read(self._slots[0][start : start + length], self.part)
         return self.store.read_ids(self.ids[start : start + length], self.part)
 
     def slice(self, start: int, length: int) -> "KVTensor":
         """The view of rows ``[start, start + length)``, still unmaterialised."""
         self._check_slice(0, start, length)
-        return KVTensor(self.store, self.part, self.ids[start : start + length], self.read_only)
+        slots = None if self._slots is None else (self._slots[0][start : start + length], self._slots[1])
+        return KVTensor(self.store, self.part, self.ids[start : start + length], self.read_only, slots)
 
     def full_tensor(self) -> torch.Tensor:
         return self.narrow(0, 0, self.shape[0])

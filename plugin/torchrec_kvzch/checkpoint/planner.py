@@ -20,6 +20,8 @@ It needs memory for all of them at once (what whole rows avoid) and exists for c
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.tbe.ssd.utils.partially_materialized_tensor import PartiallyMaterializedTensor
@@ -50,8 +52,7 @@ class KVZCHSavePlanner(DefaultSavePlanner):
     def create_global_plan(self, all_plans):
         plans, metadata = super().create_global_plan(all_plans)
         rows = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            obj = self.state_dict.get(fqn)
+        for fqn, obj in self.state_dict.items():
             view = kv_view(obj)
             if view is not None and view.part in (RowPart.ROW, RowPart.WEIGHT):
                 rows[fqn] = [sum(s.shard_sizes[0] for s in obj.metadata().shards_metadata
@@ -61,10 +62,12 @@ class KVZCHSavePlanner(DefaultSavePlanner):
 
 
 class KVZCHLoadPlanner(DefaultLoadPlanner):
-    def __init__(self, checkpoint_id: str | None = None, **kwargs) -> None:
-        """``checkpoint_id`` only names the checkpoint in error messages."""
+    def __init__(self, checkpoint_id: str | os.PathLike | None = None, **kwargs) -> None:
+        """``checkpoint_id``: the checkpoint's folder, named in errors and used to check its
+        files before loading (pass it; without it those checks are skipped)."""
         super().__init__(**kwargs)
-        self._checkpoint = checkpoint_id or "the checkpoint"
+        self._checkpoint = str(checkpoint_id) if checkpoint_id is not None else "the checkpoint"
+        self._checkpoint_dir = str(checkpoint_id) if checkpoint_id is not None else None
         self._sinks: dict[str, KVTensor] = {}
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False):
@@ -116,10 +119,36 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
         end = starts[overlapping[-1]] + rows[overlapping[-1]] if overlapping else 0
         return begin, end
 
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self._check_files(plan)
+        return plan
+
+    def _check_files(self, plan) -> None:
+        """Every file region this rank will stream into a store exists and is complete, checked
+        while planning: DCP raises planning errors on all ranks before any rank reads a byte, so
+        a missing or truncated file leaves every store as it was. (Needs ``checkpoint_id``.)"""
+        storage = getattr(self.metadata, "storage_data", None)
+        if self._checkpoint_dir is None or not storage:
+            return
+        for item in plan.items:
+            view = self._sinks.get(item.dest_index.fqn)
+            info = storage.get(item.storage_index)
+            if view is None or info is None:
+                continue
+            path = os.path.join(self._checkpoint_dir, info.relative_path)
+            size = os.path.getsize(path) if os.path.exists(path) else -1
+            if size < info.offset + info.length:
+                state = "is missing" if size < 0 else f"is truncated ({size} of {info.offset + info.length} bytes)"
+                raise ValueError(f"{path} {state}: it holds rows of KV-ZCH table "
+                                 f"'{view.store.params.name}'; restore the file or load another checkpoint")
+
     def finish_plan(self, new_plan):
-        # Every rank's plan is valid: replace the stores' rows with the checkpoint's.
-        for view in self._sinks.values():
+        # Every rank's plan is valid: replace the stores' rows with the checkpoint's, with room
+        # reserved for the most rows that can arrive (no growth copies while streaming).
+        for fqn, view in self._sinks.items():
             view.store.clear()
+            view.store.reserve(self.state_dict[fqn].end - self.state_dict[fqn].begin)
         for table in self._legacy.values():
             table.apply_if_complete()  # a shard with no saved rows is complete already
         return super().finish_plan(new_plan)

@@ -33,11 +33,21 @@ from torchrec_kvzch.store.layout import RowPart
 
 @dataclass(frozen=True)
 class TableSnapshot:
-    """One table shard's rows at a moment: the ids every entry of one state dict is built from."""
+    """One table shard's rows at a moment: the ids (and their slots, valid while the store's
+    epoch holds) every entry of one state dict is built from."""
 
     name: str
     kernel: KVZCHTableKernel
     ids: torch.Tensor
+    slots: tuple[torch.Tensor, int]
+
+    @classmethod
+    def take(cls, name: str, kernel: KVZCHTableKernel) -> "TableSnapshot":
+        ids, slots, epoch = kernel.store.snapshot()
+        return cls(name, kernel, ids, (slots, epoch))
+
+    def view(self, part: RowPart, read_only: bool = False) -> KVTensor:
+        return KVTensor(self.store, part, self.ids, read_only, self.slots)
 
     @property
     def store(self):
@@ -65,22 +75,19 @@ def table_entries(tables: Iterator[tuple[str, KVZCHTableKernel]], prefix: str,
 
     Optimizer state is exposed as ``{table}.momentum1`` (rowwise Adagrad's accumulator, as
     TorchRec names it): read-only when whole rows already carry it, else writable."""
-    snapshots = [TableSnapshot(name, kernel, kernel.store.sorted_ids()) for name, kernel in tables]
+    snapshots = [TableSnapshot.take(name, kernel) for name, kernel in tables]
     rows = row_counts_by_rank({s.name: s.ids.numel() for s in snapshots}, pg)
     out, optimizer = {}, {}
     for snap in snapshots:
         params = snap.store.params
         part = RowPart.ROW if params.backend_return_whole_row else RowPart.WEIGHT
         counts = rows[snap.name]
-        out[f"{prefix}{snap.name}.weight"] = rows_sharded_tensor(
-            KVTensor(snap.store, part, snap.ids), counts, pg)
-        out[f"{prefix}{snap.name}.weight_id"] = rows_sharded_tensor(
-            KVTensor(snap.store, RowPart.ID, snap.ids), counts, pg)
+        out[f"{prefix}{snap.name}.weight"] = rows_sharded_tensor(snap.view(part), counts, pg)
+        out[f"{prefix}{snap.name}.weight_id"] = rows_sharded_tensor(snap.view(RowPart.ID), counts, pg)
         out[f"{prefix}{snap.name}.bucket"] = bucket_sharded_tensor(snap, pg)
         optimizer[snap.name] = {} if not snap.store.layout.optimizer_floats else {
             f"{snap.name}.momentum1": rows_sharded_tensor(
-                KVTensor(snap.store, RowPart.OPTIMIZER, snap.ids,
-                         read_only=params.backend_return_whole_row), counts, pg)}
+                snap.view(RowPart.OPTIMIZER, read_only=params.backend_return_whole_row), counts, pg)}
     return out, optimizer
 
 

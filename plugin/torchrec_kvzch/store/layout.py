@@ -122,13 +122,18 @@ class RowLayout:
              optimizer: torch.Tensor) -> torch.Tensor:
         """Whole rows ``[n, row_width]`` from the separate parts."""
         n = keys.numel()
-        rows = torch.zeros(n, self.row_width, dtype=self.dtype, device=keys.device)
+        rows = torch.empty(n, self.row_width, dtype=self.dtype, device=keys.device)
         header = torch.stack([keys.long(), meta.long()], dim=1)
         rows[:, : self.header_width] = header.view(self.dtype)
-        rows[:, self.header_width : self.header_width + self.embedding_dim] = weights
+        w_end = self.header_width + self.embedding_dim
+        rows[:, self.header_width : w_end] = weights
+        rows[:, w_end : self.optimizer_offset] = 0  # padding
+        opt_end = self.optimizer_offset
         if self.optimizer_floats:
             opt = optimizer.to(torch.float32).contiguous().view(self.dtype)
-            rows[:, self.optimizer_offset : self.optimizer_offset + opt.shape[1]] = opt
+            opt_end += opt.shape[1]
+            rows[:, self.optimizer_offset : opt_end] = opt
+        rows[:, opt_end:] = 0  # padding
         return rows
 
     def unpack(self, rows: torch.Tensor):

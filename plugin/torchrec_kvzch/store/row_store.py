@@ -43,6 +43,7 @@ class RowStore:
         self.map = IdMap(backend, self.device)
         self._native = self.map.kernels.name == "native"  # same choice for init and touch
         self.clock = 0  # stamped into the header of rows touched by find_or_insert
+        self.epoch = 0  # bumped whenever rows change slots (delete, clear): snapshots check it
         self._alloc(_MIN_ROWS)
         if initial_rows:
             self.reserve(initial_rows)
@@ -99,6 +100,7 @@ class RowStore:
         """Remove the rows of ids (absent ids are ignored); returns how many were removed."""
         before = len(self)
         moves = self.map.erase(ids)
+        self.epoch += 1
         for array in (self.weights, self.optimizer, self.meta):
             array[moves.dst] = array[moves.src]
         if moves.new_size * 4 < self.capacity and self.capacity > _MIN_ROWS:
@@ -116,6 +118,10 @@ class RowStore:
             return self.optimizer[slots]
         if part is RowPart.ID:
             return self.map.slot_keys[slots].unsqueeze(1)
+        if self._native:
+            return torch.ops.kvzch.gather_rows(self.weights, self.optimizer, self.meta, self.map.slot_keys,
+                                               slots.contiguous(), self.layout.row_width,
+                                               self.layout.optimizer_offset)
         return self.layout.pack(self.map.slot_keys[slots], self.meta[slots], self.weights[slots],
                                 self.optimizer[slots])
 
@@ -128,6 +134,8 @@ class RowStore:
         ids = as_ids(ids, self.device)
         slots = self.find(ids)
         hit = slots >= 0
+        if bool(hit.all()):  # the common case (checkpoint chunks): one gather, no mask
+            return self.read(slots, part)
         out = torch.zeros(ids.numel(), self.layout.width(part), dtype=self.layout.part_dtype(part),
                           device=self.device)
         out[hit] = self.read(slots[hit], part)
@@ -141,6 +149,11 @@ class RowStore:
     def sorted_ids(self) -> torch.Tensor:
         """Live global ids in bucket order (ascending id, so ascending bucket too)."""
         return torch.sort(self.map.keys()).values
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(ids in bucket order, their slots, epoch): the slots stay valid while ``epoch`` does."""
+        ids, slots = torch.sort(self.map.keys())
+        return ids, slots, self.epoch
 
     def bucket_counts(self) -> torch.Tensor:
         """Rows per local bucket, ``[bucket_range.num_buckets]`` int64."""
@@ -207,6 +220,7 @@ class RowStore:
 
     def clear(self) -> None:
         self.map.clear()
+        self.epoch += 1
         self._alloc(_MIN_ROWS)
 
     # -- internals ----------------------------------------------------------------------------

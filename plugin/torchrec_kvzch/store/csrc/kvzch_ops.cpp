@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -207,6 +208,53 @@ void touch(at::Tensor meta, const at::Tensor& slots, int64_t clock) {
   }
 }
 
+// Whole rows [header | weight | optimizer] of the given slots, in the weight dtype, in one pass
+// (store/layout.py describes the layout). Checkpoints read rows in id order, i.e. at random
+// slots: prefetching the next rows' lines and writing each row once beats gathering every part
+// into a temporary and packing them afterwards.
+at::Tensor gather_rows(const at::Tensor& weights, const at::Tensor& optimizer, const at::Tensor& meta,
+                       const at::Tensor& slot_keys, const at::Tensor& slots, int64_t row_width,
+                       int64_t optimizer_offset) {
+  TORCH_CHECK(weights.is_contiguous() && optimizer.is_contiguous() && meta.is_contiguous() &&
+                  slot_keys.is_contiguous() && slots.is_contiguous() && slots.dim() == 1,
+              "kvzch gather_rows: expected contiguous tensors");
+  TORCH_CHECK(optimizer.scalar_type() == at::kFloat && meta.scalar_type() == at::kLong &&
+                  slot_keys.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
+              "kvzch gather_rows: unexpected dtypes");
+  const int64_t n = slots.numel();
+  const int64_t item = weights.element_size();
+  const int64_t dim_bytes = weights.size(1) * item;
+  const int64_t opt_bytes = optimizer.size(1) * 4;
+  const int64_t row_bytes = row_width * item;
+  auto out = at::empty({n, row_width}, weights.options());
+  auto* o = static_cast<char*>(out.data_ptr());
+  const auto* w = static_cast<const char*>(weights.data_ptr());
+  const auto* opt = static_cast<const char*>(optimizer.data_ptr());
+  const int64_t* m = meta.data_ptr<int64_t>();
+  const int64_t* keys = slot_keys.data_ptr<int64_t>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t weight_at = 16;  // after the 16-byte header
+  const int64_t optimizer_at = optimizer_offset * item;
+  at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (i + kPrefetchDistance < end) {
+        const int64_t ahead = s[i + kPrefetchDistance];
+        __builtin_prefetch(w + ahead * dim_bytes);
+        __builtin_prefetch(m + ahead);
+        __builtin_prefetch(keys + ahead);
+      }
+      const int64_t slot = s[i];
+      char* row = o + i * row_bytes;
+      std::memset(row, 0, row_bytes);  // padding stays zero
+      std::memcpy(row, keys + slot, 8);
+      std::memcpy(row + 8, m + slot, 8);
+      std::memcpy(row + weight_at, w + slot * dim_bytes, dim_bytes);
+      if (opt_bytes) std::memcpy(row + optimizer_at, opt + slot * opt_bytes, opt_bytes);
+    }
+  });
+  return out;
+}
+
 // Asks the kernel to back a large tensor with transparent huge pages (on systems where THP is
 // in "madvise" mode). Row stores are written at random and grow by first touch: 2 MiB pages
 // cut page faults 512x and TLB misses on lookups. Returns whether the advice was taken.
@@ -236,6 +284,8 @@ TORCH_LIBRARY(kvzch, m) {
   m.def("uniform_by_id_(Tensor(a!) out, Tensor ids, float low, float high, int seed) -> ()");
   m.def("touch(Tensor(a!) meta, Tensor slots, int clock) -> ()");
   m.def("advise_hugepages(Tensor t) -> bool");
+  m.def("gather_rows(Tensor weights, Tensor optimizer, Tensor meta, Tensor slot_keys, Tensor slots, "
+        "int row_width, int optimizer_offset) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvzch, CPU, m) {
@@ -245,6 +295,7 @@ TORCH_LIBRARY_IMPL(kvzch, CPU, m) {
   m.impl("uniform_by_id_", &uniform_by_id_);
   m.impl("touch", &touch);
   m.impl("advise_hugepages", &advise_hugepages);
+  m.impl("gather_rows", &gather_rows);
 }
 
 // A Python module so `import torchrec_kvzch._C` loads the library and registers the ops.

@@ -1,0 +1,235 @@
+"""Checkpoint speed and memory: DCP save and load of a >= 2 GiB KV-ZCH table.
+
+    python benchmarks/bench_checkpoint.py --json results/bench_checkpoint.json
+
+One KV-ZCH table of 4M rows x 128 fp32 with rowwise Adagrad (whole rows of 544 bytes, 2.2 GB),
+in one process and in two (torchrun, gloo). For the whole-row path and the legacy path
+(weights, ids and optimizer state apart) it measures the DCP save time, the load time and the
+peak extra RSS while loading (RSS sampled every 5 ms; "extra" = peak minus the RSS once the
+rows are loaded, i.e. the transient cost of loading), and beside them a raw sequential write
+(tofile + fsync) and read of the same number of bytes. Saves use DCP's FileSystemWriter with
+two writer threads. A PNG shows RSS over time during the
+two loads (one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from _common import torchrun
+
+
+class RssSampler:
+    """Samples this process's RSS every ``period`` seconds in a background thread."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        self.period, self.samples, self._stop = period, [], threading.Event()
+        self._proc, self._t0 = psutil.Process(), time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter() - self._t0, self._proc.memory_info().rss))
+            time.sleep(self.period)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def build(world: int, rows_total: int, dim: int, whole_row: bool):
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_kvzch import KVZCHTableParams
+    from torchrec_kvzch.sharding import (KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config,
+                                         kvzch_sharders, kvzch_tables)
+
+    params = KVZCHTableParams("big", dim, num_embeddings=2**40, total_num_buckets=1024,
+                              enable_optimizer_offloading=True, backend_return_whole_row=whole_row,
+                              expected_rows=rows_total)
+    ebc = EmbeddingBagCollection(tables=[kvzch_embedding_bag_config(params, ["ids"])], device=torch.device("meta"))
+    planner = KVZCHShardingPlanner(Topology(world_size=world, compute_device="cpu", local_world_size=world),
+                                   batch_size=1024, constraints={"big": KVZCHConstraints(kvzch=params)})
+    plan = planner.collective_plan(ebc, kvzch_sharders(), dist.group.WORLD)
+    model = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=kvzch_sharders(),
+                                     env=ShardingEnv.from_process_group(dist.group.WORLD))
+    (_, kernel), = kvzch_tables(model)
+    store, r = kernel.store, kernel.store.bucket_range
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    per_rank = rows_total // world
+    for _ in range(0, per_rank, 1 << 20):  # rows with distinct weights and optimizer state
+        slots = store.find_or_insert(torch.randint(r.id_start, r.id_end, (min(1 << 20, per_rank - len(store)),),
+                                                   generator=gen), touch=False)
+        store.optimizer[slots] = torch.rand(slots.numel(), store.optimizer.shape[1], generator=gen)
+    return model, store
+
+
+def timed_save_and_load(model, path: str) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from torchrec_kvzch.checkpoint.planner import KVZCHLoadPlanner, KVZCHSavePlanner
+
+    state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+    dist.barrier()
+    t0 = time.perf_counter()
+    # Two writer threads: one materialises chunks while the other writes (see the README).
+    dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=2), planner=KVZCHSavePlanner())
+    dist.barrier()
+    save_s = time.perf_counter() - t0
+    del state
+    gc.collect()
+    state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+    dist.barrier()
+    with RssSampler() as rss:
+        t0 = time.perf_counter()
+        dcp.load(state, checkpoint_id=path, planner=KVZCHLoadPlanner(checkpoint_id=path))
+        model.load_state_dict(state["model"])
+        model.fused_optimizer.load_state_dict(state["optim"])
+        dist.barrier()
+        load_s = time.perf_counter() - t0
+        time.sleep(0.05)
+    after = psutil.Process().memory_info().rss
+    peak = max(r for _, r in rss.samples)
+    return {"save_s": save_s, "load_s": load_s, "load_peak_extra_mib": max(0, peak - after) / 2**20,
+            "rss_trace": [(t, r / 2**20) for t, r in rss.samples[:: max(1, len(rss.samples) // 400)]]}
+
+
+def raw_write_and_read(path: str, nbytes: int) -> dict:
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        data.tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t0
+    del data
+    t0 = time.perf_counter()
+    back = np.fromfile(path, dtype=np.uint8)
+    read_s = time.perf_counter() - t0
+    assert back.nbytes == nbytes
+    return {"raw_write_s": write_s, "raw_read_s": read_s}
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    for whole_row, tag in ((True, "whole_row"), (False, "legacy")):
+        model, store = build(world, args.rows, args.dim, whole_row)
+        nbytes = len(store) * store.layout.row_width * store.layout.itemsize
+        path = f"{args.dir}/{tag}"
+        r = timed_save_and_load(model, path)
+        out.update({f"{k}_{tag}": v for k, v in r.items()})
+        out[f"bytes_per_rank_{tag}"] = nbytes
+        del model, store
+        gc.collect()
+    out.update(raw_write_and_read(f"{args.dir}/raw-{rank}.bin", out["bytes_per_rank_whole_row"]))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out)
+    if rank == 0:
+        Path(args.worker).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def summarize(per_rank: list[dict], suffix: str) -> dict:
+    """Slowest rank's times, largest rank's extra memory."""
+    worst = lambda key: max(r[key] for r in per_rank)  # noqa: E731
+    out = {}
+    for tag in ("whole_row", "legacy"):
+        for key in ("save_s", "load_s", "load_peak_extra_mib"):
+            out[f"{key}_{tag}{suffix}"] = worst(f"{key}_{tag}")
+    out[f"raw_write_s{suffix}"], out[f"raw_read_s{suffix}"] = worst("raw_write_s"), worst("raw_read_s")
+    out[f"checkpoint_bytes{suffix}"] = sum(r["bytes_per_rank_whole_row"] for r in per_rank)
+    # Same bytes, same machine: the save's throughput against a raw write.
+    out[f"save_throughput_ratio_vs_raw{suffix}"] = out[f"raw_write_s{suffix}"] / out[f"save_s_whole_row{suffix}"]
+    return out
+
+
+def plot(traces: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, trace in traces.items():
+        ax.plot([t for t, _ in trace], [r for _, r in trace], label=label)
+    ax.set_xlabel("seconds since the load started")
+    ax.set_ylabel("RSS (MiB)")
+    ax.set_title("RSS while loading a 2.2 GB KV-ZCH table (1 process)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--rows", type=int, default=4_000_000)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--dir", help="where checkpoints are written (default: a temporary folder)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    results: dict = {"rows": args.rows, "dim": args.dim}
+    traces = {}
+    for nproc, suffix in ((1, ""), (2, "_2proc")):
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            out = Path(tmp) / "ranks.json"
+            torchrun(__file__, nproc, ["--worker", str(out), "--json", str(args.json), "--dir", tmp,
+                                       "--rows", str(args.rows), "--dim", str(args.dim)])
+            per_rank = json.loads(out.read_text())
+            shutil.rmtree(tmp, ignore_errors=True)
+        results.update(summarize(per_rank, suffix))
+        if nproc == 1:
+            traces = {"whole rows, streamed": per_rank[0]["rss_trace_whole_row"],
+                      "legacy (weights, ids, optimizer apart)": per_rank[0]["rss_trace_legacy"]}
+    r = results
+    r["targets"] = {
+        "load_peak_extra_mib_whole_row <= 256": r["load_peak_extra_mib_whole_row"] <= 256,
+        "whole_row extra <= legacy extra / 4": r["load_peak_extra_mib_whole_row"] * 4 <= r["load_peak_extra_mib_legacy"],
+        "save_throughput_ratio_vs_raw >= 0.5": r["save_throughput_ratio_vs_raw"] >= 0.5,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    plot(traces, args.json.with_suffix(".png"))
+    gb = r["checkpoint_bytes"] / 1e9
+    print(f"\nKV-ZCH table: {args.rows:,} rows x {args.dim} fp32 + rowwise Adagrad, {gb:.2f} GB of whole rows")
+    for suffix, label in (("", "1 process"), ("_2proc", "2 processes")):
+        print(f"  {label}: save {r[f'save_s_whole_row{suffix}']:.2f} s (raw write {r[f'raw_write_s{suffix}']:.2f} s), "
+              f"load whole rows {r[f'load_s_whole_row{suffix}']:.2f} s / legacy {r[f'load_s_legacy{suffix}']:.2f} s "
+              f"(raw read {r[f'raw_read_s{suffix}']:.2f} s); load peak extra RSS whole rows "
+              f"{r[f'load_peak_extra_mib_whole_row{suffix}']:.0f} MiB / legacy {r[f'load_peak_extra_mib_legacy{suffix}']:.0f} MiB")
+    for name, ok in r["targets"].items():
+        print(f"  [{'ok' if ok else 'MISS'}] {name}")
+    print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

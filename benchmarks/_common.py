@@ -44,3 +44,8 @@ def torchrun(script: str, nproc: int, args: list[str]) -> None:
            script, *args]
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=threads))
+
+
+def print_targets(targets: dict[str, bool]) -> None:
+    for name, ok in targets.items():
+        print(f"  [{'ok' if ok else 'MISS'}] {name}")

@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 import torch
 
-from _common import torchrun
+from _common import print_targets, torchrun
 
 
 class RssSampler:
@@ -226,8 +226,7 @@ def main() -> None:
               f"load whole rows {r[f'load_s_whole_row{suffix}']:.2f} s / legacy {r[f'load_s_legacy{suffix}']:.2f} s "
               f"(raw read {r[f'raw_read_s{suffix}']:.2f} s); load peak extra RSS whole rows "
               f"{r[f'load_peak_extra_mib_whole_row{suffix}']:.0f} MiB / legacy {r[f'load_peak_extra_mib_legacy{suffix}']:.0f} MiB")
-    for name, ok in r["targets"].items():
-        print(f"  [{'ok' if ok else 'MISS'}] {name}")
+    print_targets(r["targets"])
     print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
 
 

@@ -31,7 +31,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from tqdm import tqdm
 
-from _common import same_huge_pages_for_the_baseline, torchrun, zipf_ranks
+from _common import print_targets, same_huge_pages_for_the_baseline, torchrun, zipf_ranks
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.kernel import KVZCHTableKernel
 
@@ -176,8 +176,7 @@ def main() -> None:
     if "ratio_2proc" in results:
         print(f"  2 procs  ours {results['ours_ms_2proc']:7.1f} ms   FUSED row-wise {results['tbe_ms_2proc']:7.1f} ms"
               f"   throughput ratio {results['ratio_2proc']:.3f}")
-    for name, ok in results["targets"].items():
-        print(f"  [{'ok' if ok else 'MISS'}] {name}")
+    print_targets(results["targets"])
     print(f"wrote {args.json}")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from _common import median_ms, same_huge_pages_for_the_baseline
+from _common import median_ms, print_targets, same_huge_pages_for_the_baseline
 from torchrec_kvzch import KVZCHTableParams, RowStore
 from torchrec_kvzch.store.id_map import IdMap
 
@@ -189,8 +189,7 @@ def main() -> None:
               f"{r[f'dict_ms_{tag}']:8.1f} {r[f'bytes_per_key_{tag}']:10.1f}")
     print(f"store find_or_insert incl. init of new 128-d rows (1M rows): {r['store_insert_ms_1m_d128']:.2f} ms")
     print(f"fbgemm TBE training step (1M x 128, batch 8192, pooling 20): {r['tbe_step_ms']:.1f} ms")
-    for name, ok in r["targets"].items():
-        print(f"  [{'ok' if ok else 'MISS'}] {name}")
+    print_targets(r["targets"])
     print(f"wrote {args.json} and {plot_path}")
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from fbgemm_gpu.tbe.ssd.utils.partially_materialized_tensor import PartiallyMaterializedTensor
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
@@ -55,8 +54,10 @@ class KVZCHSavePlanner(DefaultSavePlanner):
         for fqn, obj in self.state_dict.items():
             view = kv_view(obj)
             if view is not None and view.part in (RowPart.ROW, RowPart.WEIGHT):
-                rows[fqn] = [sum(s.shard_sizes[0] for s in obj.metadata().shards_metadata
-                                 if s.placement.rank() == r) for r in range(_world())]
+                shards = obj.metadata().shards_metadata  # every rank has >= 1 (maybe empty) chunk
+                world = 1 + max(s.placement.rank() for s in shards)
+                rows[fqn] = [sum(s.shard_sizes[0] for s in shards if s.placement.rank() == r)
+                             for r in range(world)]
         metadata.planner_data = CheckpointMappings(metadata.planner_data, rows)
         return plans, metadata
 
@@ -69,6 +70,7 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
         self._checkpoint = str(checkpoint_id) if checkpoint_id is not None else "the checkpoint"
         self._checkpoint_dir = str(checkpoint_id) if checkpoint_id is not None else None
         self._sinks: dict[str, KVTensor] = {}
+        self._legacy: dict = {}
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False):
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -82,11 +84,12 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
             saved = metadata.state_dict_metadata.get(fqn)
             begin, end = ranges.get(view.store, (0, 0))
             legacy = not view.store.params.backend_return_whole_row
-            if saved is None or (not legacy and view.part is not RowPart.ROW):
+            if saved is None:  # not in the checkpoint (a missing weight entry failed above)
+                del self.state_dict[fqn]
+                continue
+            if not legacy and view.part is not RowPart.ROW:
                 # Whole rows already hold ids and optimizer state: read nothing for those.
-                self.state_dict[fqn] = _RowSink(saved.size, 0, 0) if saved is not None else None
-                if saved is None:
-                    del self.state_dict[fqn]
+                self.state_dict[fqn] = _RowSink(saved.size, 0, 0)
                 continue
             self.state_dict[fqn] = _RowSink(saved.size, begin, end)
             if legacy:
@@ -226,10 +229,3 @@ class _RowSink:
 def _overlaps(a, b) -> bool:
     return a.start < b.end and b.start < a.end
 
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1

@@ -221,3 +221,30 @@ def test_missing_or_truncated_files_are_refused_before_any_row_changes(tmp_path,
         assert error is not None and unchanged
         assert target in error and ("is truncated" if damage == "truncate" else "is missing") in error
         assert "KV-ZCH table" in error
+
+
+def load_materialized(rank, world_size, whole_row):
+    """A state dict whose KV-ZCH rows were materialised (e.g. saved with torch.save) loads
+    through load_state_dict."""
+    from torchrec_kvzch.checkpoint.state_dict import kv_view
+
+    source = build(world_size, 7, whole_row=whole_row)
+    source(batch(3)).wait().values().sum().backward()
+    state = {}
+    for key, entry in source.state_dict().items():
+        view = kv_view(entry)
+        state[key] = entry if view is None else torch.cat([s.tensor.full_tensor() for s in entry.local_shards()])
+    target = build(world_size, 7, whole_row=whole_row)
+    target(batch(4)).wait().values().sum().backward()  # rows that must be replaced
+    target.load_state_dict(state)
+    if whole_row:  # whole rows carry everything
+        want, got = all_rows(source), all_rows(target)
+    else:  # the model state dict carries weights; legacy optimizer state loads through DCP
+        want, got = ({(n, int(i)): k.store.read_ids(i.unsqueeze(0)) for n, k in kvzch_tables(m)
+                      for i in k.store.sorted_ids()} for m in (source, target))
+    return want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize("whole_row", [True, False])
+def test_materialised_state_dict_loads_through_load_state_dict(whole_row):
+    assert run_ranks(1, load_materialized, whole_row) == [True]

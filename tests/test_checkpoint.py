@@ -1,10 +1,19 @@
-"""DCP checkpoints of KV-ZCH tables: train -> save -> load at the same or another world size."""
+"""DCP checkpoints of KV-ZCH tables: train -> save (sync or async) -> load at the same or another
+world size; damaged or mismatched checkpoints are refused before any row changes."""
+
+import os
+import tempfile
+import threading
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 import torch.distributed.checkpoint as dcp
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from hypothesis import given, settings, strategies as st
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
@@ -16,6 +25,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from _dist import run_ranks
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.checkpoint.planner import KVZCHLoadPlanner, KVZCHSavePlanner
+from torchrec_kvzch.checkpoint.staging import KVZCHAsyncStager
+from torchrec_kvzch.checkpoint.state_dict import kv_view
 from torchrec_kvzch.sharding import KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config, kvzch_sharders, kvzch_tables
 
 BUCKETS = 12  # uneven on 5 and 7 ranks, even on 1, 2, 3
@@ -65,8 +76,6 @@ def all_rows(model, whole=True):
 def check_optimizer_entries(state, read_only):
     """KV-ZCH optimizer state: views (read-only with whole rows) whose global size counts every
     rank's rows."""
-    from torchrec_kvzch.checkpoint.state_dict import kv_view
-
     for name in ("user", "item"):
         entry = state["optim"]["state"][f"embedding_bags.{name}.weight"][f"{name}.momentum1"]
         view = kv_view(entry)
@@ -79,8 +88,6 @@ def check_optimizer_entries(state, read_only):
 
 def kvzch_tables_of(state):
     """(name, kernel) of the tables behind a state dict's KV-ZCH entries."""
-    from torchrec_kvzch.checkpoint.state_dict import kv_view
-
     for key, entry in state["model"].items():
         view = kv_view(entry)
         if view is not None and key.endswith(".weight"):
@@ -97,17 +104,50 @@ def plain_momentum(optim_state):
     return torch.cat([merged[k] for k in sorted(merged)])
 
 
-def train_and_save(rank, world_size, path, chunk, steps, whole_row=True):
+class GatedWriter(FileSystemWriter):
+    """Writes nothing until ``gate`` is set: lets a test change rows before an async save
+    reads any of them."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+
+    def write_data(self, plan, planner):
+        self.gate.wait()
+        return super().write_data(plan, planner)
+
+
+def train_and_save(rank, world_size, path, chunk, steps, whole_row=True, asynchronous=False):
+    """Train, save, and return every row (and the plain table's optimizer state) as of the
+    save call, plus a probe output. ``asynchronous``: dcp.async_save, then train on old and new
+    ids before the writer may read a row; the checkpoint must still hold the rows of the call."""
     model = build(world_size, chunk, whole_row=whole_row)
+    checkpoint_group = dist.new_group(backend="gloo")  # async saves run collectives on a thread
     for step in range(steps):
         model(batch(100 * step + rank)).wait().values().sum().backward()
     state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
     check_optimizer_entries(state, read_only=whole_row)
-    dcp.save(state, checkpoint_id=path, planner=KVZCHSavePlanner())
     rows = all_rows(model, whole_row)
     rows["plain momentum"] = plain_momentum(state["optim"])
-    # New ids of the probe get id-seeded rows, the same wherever they are created.
-    return rows, model(batch(999)).wait().values().detach()
+    if asynchronous:
+        stager, writer = KVZCHAsyncStager(), GatedWriter(path)
+        future = dcp.async_save(state, storage_writer=writer, planner=KVZCHSavePlanner(),
+                                async_stager=stager, process_group=checkpoint_group)
+    else:
+        dcp.save(state, checkpoint_id=path, planner=KVZCHSavePlanner())
+    probe = model(batch(999)).wait().values().detach()  # new ids get id-seeded rows anywhere
+    if not asynchronous:
+        return rows, probe, None
+    for step in range(3):  # rows seen before the call, and new ones
+        model(batch(100 * step + rank)).wait().values().sum().backward()
+        model(batch(7000 + step + 10 * rank)).wait().values().sum().backward()
+    snapshots = {kv_view(e).snapshot for e in state["model"].values() if kv_view(e) is not None}
+    copied = sum(s.copied_bytes for s in snapshots)
+    writer.gate.set()
+    future.result()
+    stager.close()
+    still_frozen = any(s.frozen for s in snapshots) or any(k.store._frozen for _, k in kvzch_tables(model))
+    return rows, probe, {"copied": copied, "still_frozen": still_frozen}
 
 
 def load_and_compare(rank, world_size, path, chunk, expected_rows, probes, whole_row=True):
@@ -131,18 +171,40 @@ def load_and_compare(rank, world_size, path, chunk, expected_rows, probes, whole
     return model(batch(999)).wait().values().detach() if world_size == len(probes) else None
 
 
-@pytest.mark.parametrize("save_world, load_world, whole_row", [
-    (2, 2, True), (1, 2, True), (2, 1, True), (2, 3, True), (3, 2, True), (2, 2, False), (2, 3, False)])
-def test_save_and_load_at_any_world_size(tmp_path, save_world, load_world, whole_row):
+def save_then_load(tmp_path, save_world, load_world, whole_row=True, asynchronous=False, steps=3, chunk=7):
     path = str(tmp_path / "ckpt")
-    saved = run_ranks(save_world, train_and_save, path, 7, 3, whole_row)
+    saved = run_ranks(save_world, train_and_save, path, chunk, steps, whole_row, asynchronous)
     expected = saved[0][0]
-    assert len(expected) > 50
-    probes = [p for _, p in saved]
-    outs = run_ranks(load_world, load_and_compare, path, 7, expected, probes, whole_row)
+    probes = [probe for _, probe, _ in saved]
+    outs = run_ranks(load_world, load_and_compare, path, chunk, expected, probes, whole_row)
     if save_world == load_world:  # same local batches: identical outputs
         for out, probe in zip(outs, probes):
             assert torch.equal(out, probe)
+    return saved
+
+
+@pytest.mark.parametrize("save_world, load_world, whole_row", [
+    (2, 2, True), (1, 2, True), (2, 1, True), (2, 3, True), (3, 2, True), (2, 2, False), (2, 3, False)])
+def test_save_and_load_at_any_world_size(tmp_path, save_world, load_world, whole_row):
+    saved = save_then_load(tmp_path, save_world, load_world, whole_row)
+    assert len(saved[0][0]) > 50
+
+
+@pytest.mark.parametrize("load_world", [2, 3])
+def test_async_save_holds_the_rows_of_the_call(tmp_path, load_world):
+    saved = save_then_load(tmp_path, 2, load_world, asynchronous=True)
+    for _, _, info in saved:
+        assert info["copied"] > 0 and not info["still_frozen"]
+
+
+@settings(max_examples=max(2, settings().max_examples // 10))
+@given(save_world=st.integers(1, 3), load_world=st.integers(1, 4), whole_row=st.booleans(),
+       asynchronous=st.booleans(), steps=st.integers(0, 4), chunk=st.sampled_from([1, 5, 64]))
+def test_save_and_load_property(save_world, load_world, whole_row, asynchronous, steps, chunk):
+    """Any world size to any other, sync or async, any chunking: every row and all optimizer
+    state come back as they were at the save."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_then_load(Path(tmp), save_world, load_world, whole_row, asynchronous, steps, chunk)
 
 
 def load_mismatched(rank, world_size, path, dims):
@@ -205,46 +267,72 @@ def test_save_plan_caching_reuses_plans_and_stays_correct(tmp_path):
         run_ranks(2, load_and_compare, f"{root}/save{i}", 7, rows, [None, None, None])
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_missing_or_truncated_files_are_refused_before_any_row_changes(tmp_path, damage):
-    import os
+def damage_kv_rows(path: str, damage: str) -> str:
+    """Damage the file holding the first chunk of table 'item' rows; returns its path."""
+    storage = FileSystemReader(path).read_metadata().storage_data
+    index = min((i for i in storage if i.fqn.endswith("item.weight")), key=lambda i: i.offset[0])
+    info = storage[index]
+    target = os.path.join(path, info.relative_path)
+    if damage == "truncate":
+        os.truncate(target, info.offset + info.length // 2)
+    elif damage == "delete":
+        os.remove(target)
+    else:  # flip one byte in the middle of the rows, the file's size unchanged
+        with open(target, "r+b") as f:
+            f.seek(info.offset + info.length // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x5A]))
+    return target
 
+
+@pytest.mark.parametrize("damage, fragment", [
+    ("truncate", "is truncated"), ("delete", "is missing"), ("corrupt", "is corrupt")])
+def test_damaged_files_are_refused_before_any_row_changes(tmp_path, damage, fragment):
     path = str(tmp_path / "ckpt")
     run_ranks(1, train_and_save, path, 7, 1)
-    data = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
-    target = os.path.join(path, data)
-    if damage == "truncate":
-        os.truncate(target, os.path.getsize(target) // 2)
-    else:
-        os.remove(target)
+    target = damage_kv_rows(path, damage)
     for error, unchanged in run_ranks(2, load_mismatched, path, (("user", 8), ("item", 12))):
         assert error is not None and unchanged
-        assert target in error and ("is truncated" if damage == "truncate" else "is missing") in error
-        assert "KV-ZCH table" in error
+        assert target in error and fragment in error and "KV-ZCH table" in error
+
+
+def test_a_save_into_a_used_folder_replaces_the_checksum_files(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, train_and_save, path, 7, 1)
+    assert sorted(p for p in os.listdir(path) if p.startswith("kvzch_checksums")) == [
+        "kvzch_checksums_0.json", "kvzch_checksums_1.json"]
+    expected = run_ranks(1, train_and_save, path, 7, 2)[0][0]
+    assert [p for p in os.listdir(path) if p.startswith("kvzch_checksums")] == ["kvzch_checksums_0.json"]
+    run_ranks(2, load_and_compare, path, 7, expected, [None])
+
+
+def materialised(state):
+    """A copy of a state dict with every KV-ZCH view read into plain tensors (as if it had been
+    written with torch.save and read back)."""
+    if isinstance(state, dict):
+        return {k: materialised(v) for k, v in state.items()}
+    if kv_view(state) is None:
+        return state
+    shards = [Shard(s.tensor.full_tensor(), s.metadata) for s in state.local_shards()]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, state.metadata())
 
 
 def load_materialized(rank, world_size, whole_row):
-    """A state dict whose KV-ZCH rows were materialised (e.g. saved with torch.save) loads
-    through load_state_dict."""
-    from torchrec_kvzch.checkpoint.state_dict import kv_view
-
+    """A state dict whose KV-ZCH rows were materialised loads through load_state_dict, the
+    legacy layout's optimizer state included."""
     source = build(world_size, 7, whole_row=whole_row)
     source(batch(3)).wait().values().sum().backward()
-    state = {}
-    for key, entry in source.state_dict().items():
-        view = kv_view(entry)
-        state[key] = entry if view is None else torch.cat([s.tensor.full_tensor() for s in entry.local_shards()])
+    model_state = materialised(source.state_dict())
+    optim_state = materialised(source.fused_optimizer.state_dict())
     target = build(world_size, 7, whole_row=whole_row)
     target(batch(4)).wait().values().sum().backward()  # rows that must be replaced
-    target.load_state_dict(state)
-    if whole_row:  # whole rows carry everything
-        want, got = all_rows(source), all_rows(target)
-    else:  # the model state dict carries weights; legacy optimizer state loads through DCP
-        want, got = ({(n, int(i)): k.store.read_ids(i.unsqueeze(0)) for n, k in kvzch_tables(m)
-                      for i in k.store.sorted_ids()} for m in (source, target))
+    target.load_state_dict(model_state)
+    target.fused_optimizer.load_state_dict(optim_state)
+    want, got = all_rows(source, whole_row), all_rows(target, whole_row)
     return want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 @pytest.mark.parametrize("whole_row", [True, False])
 def test_materialised_state_dict_loads_through_load_state_dict(whole_row):
-    assert run_ranks(1, load_materialized, whole_row) == [True]
+    assert run_ranks(2, load_materialized, whole_row) == [True, True]

@@ -110,12 +110,16 @@ class KVZCHTableKernel(nn.Module):
         out = self.tbe(slots, offsets.long(), per_sample_weights)
         if training and out.requires_grad:
             self._backward_pending = True
+            # The backward will write these rows: a snapshot frozen before then copies them.
+            # (The last forward's only: outputs dropped without a backward must not pile up.)
+            self.store.in_flight = slots
             out.register_hook(self._on_backward)
         return out
 
     def _on_backward(self, grad: torch.Tensor) -> None:
         # Runs as the output's gradient arrives, i.e. just before fbgemm's fused update.
         self._backward_pending = False
+        self.store.in_flight = None
 
     def _refuse_growth(self, batch: int) -> None:
         if len(self.store) + batch > self.store.capacity:

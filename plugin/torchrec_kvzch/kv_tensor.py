@@ -1,10 +1,10 @@
 """A tensor-like view over one shard's rows, for checkpoints.
 
-``KVTensor`` has shape ``[n, width]`` where row ``i`` is the row of the ``i``-th id of a
-bucket-sorted id snapshot taken at creation. Nothing is materialised until asked:
-``narrow(0, start, length)`` reads one chunk, so a checkpoint can stream a table of any size.
-Reads go by id, so a row deleted after the snapshot reads as zeros (used bit 0 in a whole row)
-and is skipped when loaded back.
+``KVTensor`` has shape ``[n, width]`` where row ``i`` is the row at position ``i`` of a
+``RowSnapshot`` (bucket-sorted ids; ``store/snapshot.py``). Nothing is materialised until asked:
+``narrow(0, start, length)`` reads one chunk, so a checkpoint can stream a table of any size. A
+row deleted after the snapshot reads as zeros (used bit 0 in a whole row) and is skipped when
+loaded back, unless the snapshot is frozen, in which case it reads as it was at the freeze.
 
 It offers the method set of fbgemm's ``KVTensorWrapper`` and works wrapped in fbgemm's
 ``PartiallyMaterializedTensor(kv, is_virtual=True)``, which is how TorchRec carries such views
@@ -19,8 +19,8 @@ import logging
 import torch
 
 from torchrec_kvzch.store.layout import RowPart
-from torchrec_kvzch.store.id_map import as_ids
 from torchrec_kvzch.store.row_store import RowStore
+from torchrec_kvzch.store.snapshot import RowSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -32,25 +32,30 @@ class KVTensor:
         part: RowPart | str = RowPart.WEIGHT,
         ids: torch.Tensor | None = None,
         read_only: bool = False,
-        slots: tuple[torch.Tensor, int] | None = None,
+        *,
+        snapshot: RowSnapshot | None = None,
+        start: int = 0,
+        length: int | None = None,
     ) -> None:
-        """``ids``: the rows to expose, in order; default, the store's live ids bucket-sorted.
-        ``slots``: (their slots, store epoch) when known, to read without hash lookups while the
-        epoch holds. An ``RowPart.ID`` view (the ids themselves) is always read-only."""
+        """``ids``: the rows to expose, ascending; default, the store's live ids. Or
+        ``snapshot``: positions ``[start, start + length)`` of that snapshot (several views may
+        share one). An ``RowPart.ID`` view (the ids themselves) is always read-only."""
         self.store = store
         self.part = RowPart(part)
-        if ids is None:
-            ids, cached, epoch = store.snapshot()
-            slots = (cached, epoch)
-        self.ids = as_ids(ids, store.device)
-        self._slots = slots
+        self.snapshot = snapshot or RowSnapshot(store, ids)
+        self.start = start
+        self.length = len(self.snapshot) - start if length is None else length
         self.read_only = read_only or self.part is RowPart.ID
         self._warned = False
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.snapshot.ids[self.start : self.start + self.length]
 
     # -- tensor-like metadata -----------------------------------------------------------------
     @property
     def shape(self) -> list[int]:
-        return [self.ids.numel(), self.store.layout.width(self.part)]
+        return [self.length, self.store.layout.width(self.part)]
 
     def size(self, dim: int | None = None):
         return torch.Size(self.shape) if dim is None else self.shape[dim]
@@ -89,17 +94,13 @@ class KVTensor:
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         """Materialise rows ``[start, start + length)`` of the view."""
         self._check_slice(dim, start, length)
-        if self.part is RowPart.ID:
-            return self.ids[start : start + length].unsqueeze(1)
-        if self._slots is not None and self._slots[1] == self.store.epoch:
-            return self.store.read(self._slots[0][start : start + length], self.part)
-        return self.store.read_ids(self.ids[start : start + length], self.part)
+        return self.snapshot.read(self.start + start, length, self.part)
 
     def slice(self, start: int, length: int) -> "KVTensor":
         """The view of rows ``[start, start + length)``, still unmaterialised."""
         self._check_slice(0, start, length)
-        slots = None if self._slots is None else (self._slots[0][start : start + length], self._slots[1])
-        return KVTensor(self.store, self.part, self.ids[start : start + length], self.read_only, slots)
+        return KVTensor(self.store, self.part, read_only=self.read_only, snapshot=self.snapshot,
+                        start=self.start + start, length=length)
 
     def full_tensor(self) -> torch.Tensor:
         return self.narrow(0, 0, self.shape[0])

@@ -4,7 +4,9 @@ Save (``KVZCHSavePlanner``): KV-ZCH entries arrive already cut into chunks (one 
 ``checkpoint_chunk_rows`` rows), so DCP plans them like any sharded tensor; the planner only
 materialises each chunk when the writer asks for it, and records each table's rows per rank in
 the checkpoint metadata. Rows per rank are visible in the write items themselves, so a cached
-save plan can never carry a stale layout.
+save plan can never carry a stale layout. Each chunk's checksum goes to a side file
+(``checksums.py``), and snapshots frozen for an async save (``staging.py``) are released as soon
+as their last chunk has been materialised.
 
 Load (``KVZCHLoadPlanner``): saved rows are sorted by id within each rank and ranks own
 ascending bucket ranges, so the rows of a new rank's buckets lie in the saved rows of the old
@@ -12,6 +14,8 @@ ranks whose buckets overlap its own. Each rank reads exactly those ranks' rows, 
 and writes each whole row into its store by the id in the row's header, skipping rows of
 buckets it does not own. Memory stays bounded by a chunk; any world size can load any other's
 checkpoint. Optimizer state inside whole rows and the ``weight_id`` column need no loading.
+Before any store changes, while planning, it checks that the files exist, are long enough and
+(with ``verify=True``) hold the chunks whose checksums the save recorded.
 
 Tables without ``backend_return_whole_row`` take the legacy path: weights, ids and optimizer
 state of those rows are read in full, held until all three have arrived, then written by id.
@@ -21,12 +25,16 @@ It needs memory for all of them at once (what whole rows avoid) and exists for c
 from __future__ import annotations
 
 import os
+import threading
+from collections import Counter
 
 import torch
+import torch.distributed as dist
 from fbgemm_gpu.tbe.ssd.utils.partially_materialized_tensor import PartiallyMaterializedTensor
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 
+from torchrec_kvzch.checkpoint.checksums import ChecksumRecorder, verify_chunks
 from torchrec_kvzch.checkpoint.state_dict import kv_view
 from torchrec_kvzch.kv_tensor import KVTensor
 from torchrec_kvzch.store.layout import RowPart
@@ -42,11 +50,48 @@ class CheckpointMappings(dict):
 
 
 class KVZCHSavePlanner(DefaultSavePlanner):
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        directory = getattr(storage_meta, "checkpoint_id", None)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._checksums = (ChecksumRecorder(str(directory), rank, is_coordinator)
+                           if directory is not None else None)
+        self._unwritten: Counter = Counter()  # snapshot -> its chunks not materialised yet
+        self._lock = threading.Lock()  # writers resolve chunks from several threads
+
+    def finish_plan(self, new_plan):
+        plan = super().finish_plan(new_plan)
+        snapshots = {v.snapshot for obj in self.state_dict.values() if (v := kv_view(obj)) is not None}
+        for item in plan.items:
+            chunk = self.lookup_object(item.index)
+            if isinstance(chunk, PartiallyMaterializedTensor):
+                self._unwritten[chunk.wrapped.snapshot] += 1
+        for snapshot in snapshots - set(self._unwritten):
+            snapshot.release()  # nothing of it to write on this rank (a no-op unless frozen)
+        if not self._unwritten:
+            self._finish_checksums()
+        return plan
+
     def resolve_data(self, write_item):
         obj = self.lookup_object(write_item.index)
-        if isinstance(obj, PartiallyMaterializedTensor):
-            return obj.full_tensor()  # this chunk only
-        return super().resolve_data(write_item)
+        if not isinstance(obj, PartiallyMaterializedTensor):
+            return super().resolve_data(write_item)
+        data = obj.full_tensor()  # this chunk only
+        if self._checksums is not None:
+            self._checksums.add(write_item.index.fqn, write_item.index.offset[0], data)
+        snapshot = obj.wrapped.snapshot
+        with self._lock:
+            self._unwritten[snapshot] -= 1
+            if self._unwritten[snapshot] == 0:
+                del self._unwritten[snapshot]
+                snapshot.release()
+                if not self._unwritten:
+                    self._finish_checksums()
+        return data
+
+    def _finish_checksums(self) -> None:
+        if self._checksums is not None:
+            self._checksums.write()
 
     def create_global_plan(self, all_plans):
         plans, metadata = super().create_global_plan(all_plans)
@@ -63,10 +108,13 @@ class KVZCHSavePlanner(DefaultSavePlanner):
 
 
 class KVZCHLoadPlanner(DefaultLoadPlanner):
-    def __init__(self, checkpoint_id: str | os.PathLike | None = None, **kwargs) -> None:
+    def __init__(self, checkpoint_id: str | os.PathLike | None = None, verify: bool = True,
+                 **kwargs) -> None:
         """``checkpoint_id``: the checkpoint's folder, named in errors and used to check its
-        files before loading (pass it; without it those checks are skipped)."""
+        files before loading (pass it; without it those checks are skipped). ``verify``: also
+        read back and checksum every chunk before loading (one more read of the rows)."""
         super().__init__(**kwargs)
+        self._verify = verify
         self._checkpoint = str(checkpoint_id) if checkpoint_id is not None else "the checkpoint"
         self._checkpoint_dir = str(checkpoint_id) if checkpoint_id is not None else None
         self._sinks: dict[str, KVTensor] = {}
@@ -125,6 +173,10 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self):
         plan = super().create_local_plan()
         self._check_files(plan)
+        if self._verify and self._checkpoint_dir is not None:
+            chunks = {item.storage_index: view.store.params.name for item in plan.items
+                      if (view := self._sinks.get(item.dest_index.fqn)) is not None}
+            verify_chunks(self._checkpoint_dir, self.metadata, chunks)
         return plan
 
     def _check_files(self, plan) -> None:

@@ -9,9 +9,10 @@ Per table (``{prefix}{table}.`` below), built over one snapshot of the shard's b
 
 ``weight`` and ``weight_id`` are ShardedTensors whose local shards are ``KVTensor`` chunks of
 ``checkpoint_chunk_rows`` rows inside fbgemm's ``PartiallyMaterializedTensor``: nothing is
-materialised until a checkpoint writer reads a chunk, so saving holds one chunk at a time. Row counts differ per rank and change over time, so their global metadata (offsets, global
-size) is recomputed from an all-gather of the counts each time a state dict is taken: building a
-state dict is a collective on the module's process group.
+materialised until a checkpoint writer reads a chunk, so saving holds one chunk at a time. Row
+counts differ per rank and change over time, so their global metadata (offsets, global size) is
+recomputed from an all-gather of the counts each time a state dict is taken: building a state
+dict is a collective on the module's process group.
 """
 
 from __future__ import annotations
@@ -29,25 +30,24 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torchrec_kvzch.kernel import KVZCHTableKernel
 from torchrec_kvzch.kv_tensor import KVTensor
 from torchrec_kvzch.store.layout import RowPart
+from torchrec_kvzch.store.snapshot import RowSnapshot
 
 
 @dataclass(frozen=True)
 class TableSnapshot:
-    """One table shard's rows at a moment: the ids (and their slots, valid while the store's
-    epoch holds) every entry of one state dict is built from."""
+    """One table shard's rows at a moment, which every entry of one state dict is built from
+    (model and optimizer entries alike, so freezing it for an async save pins them all)."""
 
     name: str
     kernel: KVZCHTableKernel
-    ids: torch.Tensor
-    slots: tuple[torch.Tensor, int]
+    rows: RowSnapshot
 
     @classmethod
     def take(cls, name: str, kernel: KVZCHTableKernel) -> "TableSnapshot":
-        ids, slots, epoch = kernel.store.snapshot()
-        return cls(name, kernel, ids, (slots, epoch))
+        return cls(name, kernel, kernel.store.snapshot())
 
     def view(self, part: RowPart, read_only: bool = False) -> KVTensor:
-        return KVTensor(self.store, part, self.ids, read_only, self.slots)
+        return KVTensor(self.store, part, read_only=read_only, snapshot=self.rows)
 
     @property
     def store(self):
@@ -55,7 +55,7 @@ class TableSnapshot:
 
     def bucket_counts(self) -> torch.Tensor:
         r = self.store.bucket_range
-        local = torch.div(self.ids, r.size, rounding_mode="floor") - r.start
+        local = torch.div(self.rows.ids, r.size, rounding_mode="floor") - r.start
         return torch.bincount(local, minlength=r.num_buckets)
 
 
@@ -76,7 +76,7 @@ def table_entries(tables: Iterator[tuple[str, KVZCHTableKernel]], prefix: str,
     Optimizer state is exposed as ``{table}.momentum1`` (rowwise Adagrad's accumulator, as
     TorchRec names it): read-only when whole rows already carry it, else writable."""
     snapshots = [TableSnapshot.take(name, kernel) for name, kernel in tables]
-    rows = row_counts_by_rank({s.name: s.ids.numel() for s in snapshots}, pg)
+    rows = row_counts_by_rank({s.name: len(s.rows) for s in snapshots}, pg)
     out, optimizer = {}, {}
     for snap in snapshots:
         params = snap.store.params
@@ -101,6 +101,16 @@ def row_counts_by_rank(local: dict[str, int], pg: dist.ProcessGroup | None) -> d
     return {name: [g.get(name, 0) for g in gathered] for name in local}
 
 
+class KVChunk(PartiallyMaterializedTensor):
+    """fbgemm's lazy tensor over a KVTensor chunk, except that ``copy_`` writes (into writable
+    views): TorchRec's optimizer ``load_state_dict`` copies loaded state into the current one."""
+
+    def copy_(self, src, non_blocking: bool = False):
+        if not isinstance(src, PartiallyMaterializedTensor):  # else: a view loaded in place
+            self.wrapped.set_range(0, 0, self.size(0), src)
+        return self
+
+
 def rows_sharded_tensor(view: KVTensor, rows_per_rank: list[int], pg) -> ShardedTensor:
     """A row-wise ShardedTensor over all ranks' rows, rank r's rows after those of ranks < r,
     each rank's rows in chunks of ``checkpoint_chunk_rows`` (at least one, possibly empty)."""
@@ -113,7 +123,7 @@ def rows_sharded_tensor(view: KVTensor, rows_per_rank: list[int], pg) -> Sharded
             md = ShardMetadata([offset + start, 0], [length, width], f"rank:{r}/{view.store.device.type}")
             shards.append(md)
             if r == rank:
-                local.append(Shard(PartiallyMaterializedTensor(view.slice(start, length), is_virtual=True), md))
+                local.append(Shard(KVChunk(view.slice(start, length), is_virtual=True), md))
         offset += n
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         local, ShardedTensorMetadata(shards, torch.Size([offset, width]),

@@ -160,7 +160,10 @@ def _add_kvzch_entries(module, destination, prefix, local_metadata):
 def _take_kvzch_entries(module, state_dict, prefix, *args) -> None:
     """Removes our tables' entries before TorchRec's own checks. Entries that are this model's
     own views (a state dict loaded in place by DCP) need nothing more; materialised rows (e.g.
-    from ``torch.load``) are written into the stores."""
+    from ``torch.load``) are written into the stores, and the fused optimizer's state views are
+    then rebuilt over the loaded rows, so that its ``load_state_dict`` writes the matching
+    optimizer state (same world size) into them."""
+    loaded = False
     for name, kernel in kvzch_tables(module):
         base = f"{prefix}{module._tables_prefix}{name}."
         entries = {k: state_dict.pop(base + k) for k in ("weight", "weight_id", "bucket")
@@ -168,6 +171,9 @@ def _take_kvzch_entries(module, state_dict, prefix, *args) -> None:
         view = kv_view(entries.get("weight"))
         if "weight" in entries and (view is None or view.store is not kernel.store):
             load_rows(kernel.store, entries["weight"], entries.get("weight_id"))
+            loaded = True
+    if loaded:
+        _add_kvzch_entries(module, {}, prefix, None)
 
 
 # -- sharders ----------------------------------------------------------------------------------

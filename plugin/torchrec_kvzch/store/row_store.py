@@ -9,9 +9,16 @@ live rows, never with the virtual table size.
 Reads and writes address a ``RowPart``: the weight, the optimizer state, or the whole row in the
 upstream layout (``layout.py``). Whole-row writes take each row's id from its header and skip
 rows whose used bit is 0.
+
+Checkpoints read rows through snapshots (``snapshot.py``). While a snapshot is frozen, every
+method here that changes rows first lets it copy them aside; a frozen snapshot may be read from
+another thread, so array swaps (growth, shrinking, clear) happen under ``lock``.
 """
 
 from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -19,9 +26,42 @@ from torchrec_kvzch.params import BucketRange, KVZCHTableParams
 from torchrec_kvzch.store.id_map import IdMap, as_ids, capacity_for, empty_large
 from torchrec_kvzch.store.initializer import fill_uniform_by_id
 from torchrec_kvzch.store.layout import RowLayout, RowPart, make_meta, meta_used, touch_meta
+from torchrec_kvzch.store.snapshot import RowSnapshot
 
 _GROWTH = 1.5
 _MIN_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class RowArrays:
+    """The per-slot arrays of a store (or of rows copied out of one)."""
+
+    weights: torch.Tensor
+    optimizer: torch.Tensor
+    meta: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weights, self.optimizer, self.meta))
+
+    def empty_like(self, rows: int) -> "RowArrays":
+        arrays = (self.weights, self.optimizer, self.meta)
+        return RowArrays(*(t.new_empty((rows, *t.shape[1:])) for t in arrays))
+
+    def grown(self, rows: int) -> "RowArrays":
+        out = self.empty_like(rows)
+        out.assign(slice(0, self.rows), self, slice(None))
+        return out
+
+    def assign(self, at, source: "RowArrays", slots) -> None:
+        """``self[at] = source[slots]`` for every array."""
+        for dst, src in zip((self.weights, self.optimizer, self.meta),
+                            (source.weights, source.optimizer, source.meta)):
+            dst[at] = src[slots]
 
 
 class RowStore:
@@ -44,6 +84,9 @@ class RowStore:
         self._native = self.map.kernels.name == "native"  # same choice for init and touch
         self.clock = 0  # stamped into the header of rows touched by find_or_insert
         self.epoch = 0  # bumped whenever rows change slots (delete, clear): snapshots check it
+        self.lock = threading.RLock()
+        self.in_flight: torch.Tensor | None = None  # slots the pending fused update will write
+        self._frozen: tuple = ()  # copy-on-write states of frozen snapshots (see snapshot.py)
         self._alloc(_MIN_ROWS)
         if initial_rows:
             self.reserve(initial_rows)
@@ -57,9 +100,12 @@ class RowStore:
         return self.weights.shape[0]
 
     @property
+    def arrays(self) -> RowArrays:
+        return RowArrays(self.weights, self.optimizer, self.meta)
+
+    @property
     def nbytes(self) -> int:
-        rows = sum(t.numel() * t.element_size() for t in (self.weights, self.optimizer, self.meta))
-        return rows + self.map.nbytes
+        return self.arrays.nbytes + self.map.nbytes
 
     @property
     def live_weights(self) -> torch.Tensor:
@@ -93,37 +139,45 @@ class RowStore:
         if len(self) > old:
             self._init_rows(old, len(self))
         if touch and slots.numel():
+            self._before_change(slots)
             touch_meta(self.meta, slots, self.clock, self._native)
         return slots
 
     def delete(self, ids: torch.Tensor) -> int:
         """Remove the rows of ids (absent ids are ignored); returns how many were removed."""
         before = len(self)
+        if self._frozen:  # the deleted rows, and the tail rows compaction moves into their slots
+            found = torch.unique(self.find(ids))
+            found = found[found >= 0]
+            tail = torch.arange(before - found.numel(), before, device=self.device)
+            self._before_change(torch.cat([found, tail]))
         moves = self.map.erase(ids)
         self.epoch += 1
-        for array in (self.weights, self.optimizer, self.meta):
-            array[moves.dst] = array[moves.src]
+        self.arrays.assign(moves.dst, self.arrays, moves.src)
         if moves.new_size * 4 < self.capacity and self.capacity > _MIN_ROWS:
             self._resize(max(_MIN_ROWS, int(moves.new_size * _GROWTH)), keep=moves.new_size)
         return before - len(self)
 
     # -- reads --------------------------------------------------------------------------------
-    def read(self, slots: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> torch.Tensor:
-        """Rows at live slots, as ``part``."""
+    def read(self, slots: torch.Tensor, part: RowPart = RowPart.WEIGHT, *,
+             keys: torch.Tensor | None = None, arrays: RowArrays | None = None) -> torch.Tensor:
+        """Rows at live slots, as ``part``. ``arrays``: read these instead of the live ones
+        (then ``keys``, the rows' ids, are needed for whole rows and ids)."""
         part = RowPart(part)
         slots = slots.reshape(-1).long()
+        a = arrays or self.arrays
         if part is RowPart.WEIGHT:
-            return self.weights[slots]
+            return a.weights[slots]
         if part is RowPart.OPTIMIZER:
-            return self.optimizer[slots]
+            return a.optimizer[slots]
+        keys = self.map.slot_keys[slots] if keys is None else keys
         if part is RowPart.ID:
-            return self.map.slot_keys[slots].unsqueeze(1)
+            return keys.unsqueeze(1)
         if self._native:
-            return torch.ops.kvzch.gather_rows(self.weights, self.optimizer, self.meta, self.map.slot_keys,
+            return torch.ops.kvzch.gather_rows(a.weights, a.optimizer, a.meta, keys.contiguous(),
                                                slots.contiguous(), self.layout.row_width,
                                                self.layout.optimizer_offset)
-        return self.layout.pack(self.map.slot_keys[slots], self.meta[slots], self.weights[slots],
-                                self.optimizer[slots])
+        return self.layout.pack(keys, a.meta[slots], a.weights[slots], a.optimizer[slots])
 
     def read_range(self, start: int, length: int, part: RowPart = RowPart.WEIGHT) -> torch.Tensor:
         self._check_range(start, length)
@@ -150,10 +204,18 @@ class RowStore:
         """Live global ids in bucket order (ascending id, so ascending bucket too)."""
         return torch.sort(self.map.keys()).values
 
-    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(ids in bucket order, their slots, epoch): the slots stay valid while ``epoch`` does."""
-        ids, slots = torch.sort(self.map.keys())
-        return ids, slots, self.epoch
+    def snapshot(self) -> RowSnapshot:
+        """The live rows now, in bucket order (what checkpoints read; see ``snapshot.py``)."""
+        return RowSnapshot(self)
+
+    def pin(self, frozen) -> None:
+        """Start copying rows aside for a frozen snapshot before they change."""
+        with self.lock:
+            self._frozen = (*self._frozen, frozen)
+
+    def unpin(self, frozen) -> None:
+        with self.lock:
+            self._frozen = tuple(f for f in self._frozen if f is not frozen)
 
     def bucket_counts(self) -> torch.Tensor:
         """Rows per local bucket, ``[bucket_range.num_buckets]`` int64."""
@@ -171,6 +233,7 @@ class RowStore:
                              "write rows by id (write_ids / write_rows) instead")
         slots = slots.reshape(-1).long()
         values = self._check_values(values, slots.numel(), part)
+        self._before_change(slots)
         if part is RowPart.WEIGHT:
             self.weights[slots] = values
         elif part is RowPart.OPTIMIZER:
@@ -219,11 +282,19 @@ class RowStore:
             self._resize(rows, keep=len(self))
 
     def clear(self) -> None:
-        self.map.clear()
-        self.epoch += 1
-        self._alloc(_MIN_ROWS)
+        with self.lock:
+            for frozen in self._frozen:
+                frozen.let_go()  # the dropped arrays stay readable for it, no copy needed
+            self._frozen = ()
+            self.map.clear()
+            self.epoch += 1
+            self._alloc(_MIN_ROWS)
 
     # -- internals ----------------------------------------------------------------------------
+    def _before_change(self, slots: torch.Tensor) -> None:
+        for frozen in self._frozen:
+            frozen.preserve(slots)
+
     def _init_rows(self, start: int, end: int) -> None:
         if end > self.capacity:
             self._resize(max(end, int(self.capacity * _GROWTH)), keep=start)
@@ -244,10 +315,10 @@ class RowStore:
 
     def _resize(self, rows: int, keep: int) -> None:
         """Reallocate to ``rows`` rows, keeping the first ``keep``."""
-        old = (self.weights, self.optimizer, self.meta)
-        self._alloc(rows)
-        for new, prev in zip((self.weights, self.optimizer, self.meta), old):
-            new[:keep] = prev[:keep]
+        with self.lock:
+            old = self.arrays
+            self._alloc(rows)
+            self.arrays.assign(slice(0, keep), old, slice(0, keep))
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         ids = as_ids(ids, self.device)

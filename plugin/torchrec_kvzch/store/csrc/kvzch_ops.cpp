@@ -208,19 +208,20 @@ void touch(at::Tensor meta, const at::Tensor& slots, int64_t clock) {
   }
 }
 
-// Whole rows [header | weight | optimizer] of the given slots, in the weight dtype, in one pass
-// (store/layout.py describes the layout). Checkpoints read rows in id order, i.e. at random
-// slots: prefetching the next rows' lines and writing each row once beats gathering every part
-// into a temporary and packing them afterwards.
+// Whole rows [header | weight | optimizer] of the given slots (keys[i]: row i's id), in the weight
+// dtype, in one pass (store/layout.py describes the layout). Checkpoints read rows in id order,
+// i.e. at random slots: prefetching the next rows' lines and writing each row once beats
+// gathering every part into a temporary and packing them afterwards.
 at::Tensor gather_rows(const at::Tensor& weights, const at::Tensor& optimizer, const at::Tensor& meta,
-                       const at::Tensor& slot_keys, const at::Tensor& slots, int64_t row_width,
+                       const at::Tensor& keys, const at::Tensor& slots, int64_t row_width,
                        int64_t optimizer_offset) {
   TORCH_CHECK(weights.is_contiguous() && optimizer.is_contiguous() && meta.is_contiguous() &&
-                  slot_keys.is_contiguous() && slots.is_contiguous() && slots.dim() == 1,
+                  keys.is_contiguous() && slots.is_contiguous() && slots.dim() == 1,
               "kvzch gather_rows: expected contiguous tensors");
   TORCH_CHECK(optimizer.scalar_type() == at::kFloat && meta.scalar_type() == at::kLong &&
-                  slot_keys.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
+                  keys.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
               "kvzch gather_rows: unexpected dtypes");
+  TORCH_CHECK(keys.numel() == slots.numel(), "kvzch gather_rows: one key per slot expected");
   const int64_t n = slots.numel();
   const int64_t item = weights.element_size();
   const int64_t dim_bytes = weights.size(1) * item;
@@ -231,7 +232,7 @@ at::Tensor gather_rows(const at::Tensor& weights, const at::Tensor& optimizer, c
   const auto* w = static_cast<const char*>(weights.data_ptr());
   const auto* opt = static_cast<const char*>(optimizer.data_ptr());
   const int64_t* m = meta.data_ptr<int64_t>();
-  const int64_t* keys = slot_keys.data_ptr<int64_t>();
+  const int64_t* k = keys.data_ptr<int64_t>();
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t weight_at = 16;  // after the 16-byte header
   const int64_t optimizer_at = optimizer_offset * item;
@@ -241,12 +242,11 @@ at::Tensor gather_rows(const at::Tensor& weights, const at::Tensor& optimizer, c
         const int64_t ahead = s[i + kPrefetchDistance];
         __builtin_prefetch(w + ahead * dim_bytes);
         __builtin_prefetch(m + ahead);
-        __builtin_prefetch(keys + ahead);
       }
       const int64_t slot = s[i];
       char* row = o + i * row_bytes;
       std::memset(row, 0, row_bytes);  // padding stays zero
-      std::memcpy(row, keys + slot, 8);
+      std::memcpy(row, k + i, 8);
       std::memcpy(row + 8, m + slot, 8);
       std::memcpy(row + weight_at, w + slot * dim_bytes, dim_bytes);
       if (opt_bytes) std::memcpy(row + optimizer_at, opt + slot * opt_bytes, opt_bytes);
@@ -284,7 +284,7 @@ TORCH_LIBRARY(kvzch, m) {
   m.def("uniform_by_id_(Tensor(a!) out, Tensor ids, float low, float high, int seed) -> ()");
   m.def("touch(Tensor(a!) meta, Tensor slots, int clock) -> ()");
   m.def("advise_hugepages(Tensor t) -> bool");
-  m.def("gather_rows(Tensor weights, Tensor optimizer, Tensor meta, Tensor slot_keys, Tensor slots, "
+  m.def("gather_rows(Tensor weights, Tensor optimizer, Tensor meta, Tensor keys, Tensor slots, "
         "int row_width, int optimizer_offset) -> Tensor");
 }
 

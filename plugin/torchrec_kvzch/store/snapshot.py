@@ -1,0 +1,149 @@
+"""A store's rows at one moment, addressed by position in bucket (ascending id) order.
+
+Checkpoints read tables through snapshots: position ``i`` is the ``i``-th smallest id live when
+the snapshot was taken. A plain snapshot reads the live rows (by slot while no row has moved,
+by id after), so a row trained after the snapshot reads as trained and a deleted one as absent.
+
+``freeze()`` pins the rows to the moment of the call, for checkpoints written in the background
+while training goes on (``dcp.async_save``). From then on the store copies a snapshot row aside
+the first time anything is about to change it (copy on write), and the snapshot reads the copy.
+A frozen snapshot therefore costs the rows changed while it is frozen, not a copy of the table,
+and another thread may read it while the owning thread trains. Every change to a store's rows
+goes through the store, which calls ``_Frozen.preserve`` first (fbgemm's fused update writes the
+rows of the forward's slots, which the store preserves when the forward looks them up).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from torchrec_kvzch.store.id_map import as_ids
+from torchrec_kvzch.store.layout import RowPart
+
+if TYPE_CHECKING:
+    from torchrec_kvzch.store.row_store import RowArrays, RowStore
+
+
+class RowSnapshot:
+    def __init__(self, store: "RowStore", ids: torch.Tensor | None = None) -> None:
+        """``ids``: the rows to address, ascending; default, every live row (which can be
+        frozen). A snapshot of given ids always reads by id."""
+        self.store = store
+        if ids is None:
+            self.ids, self.slots = torch.sort(store.map.keys())
+        else:
+            self.ids, self.slots = as_ids(ids, store.device), None
+        self.epoch = store.epoch
+        self._frozen: _Frozen | None = None
+        self._unpin: weakref.finalize | None = None
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen is not None
+
+    def read(self, start: int, length: int, part: RowPart) -> torch.Tensor:
+        """Rows at positions ``[start, start + length)`` as ``part``."""
+        part, end = RowPart(part), start + length
+        if part is RowPart.ID:
+            return self.ids[start:end].unsqueeze(1)
+        frozen = self._frozen
+        if frozen is not None:
+            return frozen.read(start, end, part)
+        if self.slots is not None and self.epoch == self.store.epoch:
+            return self.store.read(self.slots[start:end], part)
+        return self.store.read_ids(self.ids[start:end], part)
+
+    def freeze(self) -> None:
+        """Pin the rows to now until ``release()`` (or until the snapshot is garbage)."""
+        name = self.store.params.name
+        if self._frozen is not None:
+            raise ValueError(f"table '{name}': this state dict is already being saved "
+                             "asynchronously; take a new state dict for each save")
+        if self.slots is None or self.epoch != self.store.epoch:
+            raise ValueError(f"table '{name}': rows were deleted or reloaded since this state "
+                             "dict was taken, so it no longer describes the table; take the "
+                             "state dict again right before saving")
+        self._frozen = _Frozen(self.store, self.ids, self.slots)
+        self.store.pin(self._frozen)
+        # A snapshot dropped without release() must not keep the store copying rows.
+        self._unpin = weakref.finalize(self, self.store.unpin, self._frozen)
+
+    def release(self) -> None:
+        """Stop copying and free the copies; reads go to the live rows again. Idempotent."""
+        if self._frozen is not None:
+            self._unpin()
+            self._frozen = None
+
+    @property
+    def copied_bytes(self) -> int:
+        """Memory held by rows copied aside since the freeze."""
+        return self._frozen.nbytes if self._frozen is not None else 0
+
+
+class _Frozen:
+    """Copy-on-write state of a frozen snapshot.
+
+    ``saved_at[p]`` is -1 while position ``p`` is untouched (its row still sits, unchanged, at
+    the snapshot's slot ``p``), else the index of its copy. Positions are found from the keys of
+    the slots about to change (ids are sorted), so nothing per slot is kept."""
+
+    def __init__(self, store: "RowStore", ids: torch.Tensor, slots: torch.Tensor) -> None:
+        self.store, self.ids, self.slots = store, ids, slots
+        self.saved_at = torch.full((ids.numel(),), -1, dtype=torch.int32, device=ids.device)
+        self.count = 0
+        self.copies = store.arrays.empty_like(0)
+        self.arrays: RowArrays | None = None  # arrays the store let go of (clear), read in place
+        if store.in_flight is not None:  # rows a pending fused update is about to write
+            self.preserve(store.in_flight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.copies.nbytes + self.saved_at.numel() * 4
+
+    def preserve(self, slots: torch.Tensor) -> None:
+        """Copy aside the snapshot rows at ``slots`` not copied yet. Called by the store on the
+        thread that changes it, just before the change."""
+        if self.arrays is not None or slots.numel() == 0 or self.ids.numel() == 0:
+            return
+        slots = torch.unique(slots.reshape(-1).long())
+        slots = slots[(slots >= 0) & (slots < len(self.store))]
+        keys = self.store.map.slot_keys[slots]
+        pos = torch.searchsorted(self.ids, keys).clamp_(max=self.ids.numel() - 1)
+        new = (self.ids[pos] == keys) & (self.saved_at[pos] < 0)
+        if not bool(new.any()):
+            return
+        slots, pos = slots[new], pos[new]
+        with self.store.lock:
+            end = self.count + slots.numel()
+            if end > self.copies.rows:
+                self.copies = self.copies.grown(max(end, 2 * self.copies.rows, 1024))
+            self.copies.assign(slice(self.count, end), self.store.arrays, slots)
+            self.saved_at[pos] = torch.arange(self.count, end, dtype=torch.int32, device=pos.device)
+            self.count = end
+
+    def let_go(self) -> None:
+        """The store is dropping its arrays (clear): keep reading the untouched rows from them."""
+        self.arrays = self.store.arrays
+
+    def read(self, start: int, end: int, part: RowPart) -> torch.Tensor:
+        store = self.store
+        with store.lock:  # a consistent (slots, arrays) pair: no resize or move in between
+            arrays = self.arrays or store.arrays
+            copied = self.saved_at[start:end] >= 0
+            slots = self.slots[start:end].masked_fill(copied, 0)  # copied slots may be gone
+        # Gather outside the lock, so training is not held up by a chunk read. Rows not yet
+        # copied are unchanged; any row changed meanwhile was copied first and is fixed below.
+        rows = store.read(slots, part, keys=self.ids[start:end], arrays=arrays)
+        with store.lock:
+            saved = self.saved_at[start:end]
+            hit = saved >= 0
+            if bool(hit.any()):
+                at = saved[hit].long()
+                rows[hit] = store.read(at, part, keys=self.ids[start:end][hit], arrays=self.copies)
+        return rows

@@ -1,0 +1,63 @@
+"""Checkpoint folders: committed by a rename, so a save killed at any moment leaves the previous
+checkpoint as the latest complete one."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from torchrec_kvzch.checkpoint.manager import CheckpointManager
+
+
+def state(value: float) -> dict:
+    return {"w": torch.full((1000,), value), "step": torch.tensor(int(value))}
+
+
+def loaded(manager: CheckpointManager, step=None):
+    into = state(-1.0)
+    got = manager.load(into, step)
+    return got, into
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_saves_commit_and_keep_the_last_ones(tmp_path, asynchronous):
+    manager = CheckpointManager(tmp_path, keep=2)
+    assert manager.latest() is None and manager.load(state(0.0)) is None
+    for step in (1, 2, 3):
+        manager.save(state(float(step)), step, asynchronous=asynchronous)
+    manager.close()
+    assert manager.steps() == [2, 3]
+    assert not list(tmp_path.glob("*.partial"))
+    step, into = loaded(manager)
+    assert step == 3 and torch.equal(into["w"], torch.full((1000,), 3.0))
+    assert loaded(manager, 2)[1]["step"].item() == 2
+
+
+def test_a_save_killed_before_it_completes_leaves_the_previous_checkpoint(tmp_path):
+    CheckpointManager(tmp_path).save(state(1.0), 1)
+    # A process that dies after writing its data but before DCP writes the metadata.
+    script = textwrap.dedent(f"""
+        import os, torch
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torchrec_kvzch.checkpoint.manager import CheckpointManager
+        FileSystemWriter.finish = lambda self, metadata, results: os._exit(3)
+        CheckpointManager({str(tmp_path)!r}).save({{"w": torch.full((1000,), 2.0), "step": torch.tensor(2)}}, 2)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 3, run.stderr[-2000:]
+    assert (tmp_path / "step-00000002.partial").is_dir()
+    manager = CheckpointManager(tmp_path)
+    assert manager.steps() == [1]
+    step, into = loaded(manager)
+    assert step == 1 and torch.equal(into["w"], torch.full((1000,), 1.0))
+    manager.save(state(2.0), 2)  # the same step again replaces the dead attempt
+    assert manager.steps() == [1, 2] and not (tmp_path / "step-00000002.partial").exists()
+
+
+def test_bad_arguments_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="keep at least 1"):
+        CheckpointManager(tmp_path, keep=0)
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        CheckpointManager(tmp_path).load(state(0.0), 7)

@@ -1,0 +1,345 @@
+"""The main job: train a DLRM with KV-ZCH tables on N processes, checkpoint, resume.
+
+    python -m torchrec_kvzch.train --config configs/quickstart.yaml --nproc 2 --steps 300
+    torchrun --nproc_per_node 2 -m torchrec_kvzch.train --config configs/quickstart.yaml
+
+Data flows one way: YAML config -> TorchRec planner with our sharders -> DistributedModelParallel
+around TorchRec's DLRM -> steps on a click log (``data.py``) -> ``CheckpointManager`` every K
+steps. On start the job resumes from the latest complete checkpoint in ``--run-dir``, at
+whatever world size it now has; the data is indexed by global step, so the loss curve continues.
+
+Without torchrun the job launches its own workers through torchrun's launcher API
+(``elastic_launch``), so in both cases a rank that dies makes the launcher stop the others and
+report which rank failed and how, instead of leaving them blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import resource
+import signal
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+_DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="torchrec-kvzch-train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=str(_DEFAULT_CONFIG), help="sharding config (YAML)")
+    p.add_argument("--nproc", type=int, default=2, help="processes to launch (ignored under torchrun)")
+    p.add_argument("--steps", type=int, default=300, help="train until this global step")
+    p.add_argument("--global-batch-size", type=int, default=4096, help="examples per step over all ranks")
+    p.add_argument("--run-dir", default=None, help="checkpoints, metrics and summary (default runs/<config>)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--async-checkpoint", action="store_true", help="save in the background while training goes on")
+    p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
+    p.add_argument("--resume", default="auto", help="'auto' (latest complete checkpoint, if any), 'none', or a step")
+    p.add_argument("--criteo", nargs="+", metavar="TSV", help="train on Criteo TSV files instead of the synthetic log")
+    p.add_argument("--population", type=int, default=100_000, help="synthetic: Zipf population per feature")
+    p.add_argument("--zipf-alpha", type=float, default=1.05, help="synthetic: id skew")
+    p.add_argument("--new-id-fraction", type=float, default=0.02, help="synthetic: share of never-seen ids")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dense-lr", type=float, default=0.05, help="Adagrad learning rate of the dense layers")
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress and metrics updates")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="collectives give up after this long")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
+    p.add_argument("--summary", default=None, help="summary JSON (default <run-dir>/summary.json)")
+    p.add_argument("--crash-drill", default=None, metavar="RANK:STEP[:save]",
+                   help="kill RANK with SIGKILL at STEP (':save': in the middle of that step's checkpoint); "
+                        "for rehearsing failures")
+    args = p.parse_args(argv)
+    args.run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+    args.summary = Path(args.summary or args.run_dir / "summary.json")
+    return args
+
+
+def check_args(args: argparse.Namespace, world_size: int) -> None:
+    """Refuse a bad command line before any process starts (config errors name file and key)."""
+    from torchrec_kvzch.config import load_config
+
+    config = load_config(args.config)
+    dims = {t.embedding_dim for t in config.tables}
+    if len(dims) != 1:
+        raise SystemExit(f"{args.config}: DLRM needs one embedding_dim for all tables, got "
+                         + ", ".join(f"{t.name}={t.embedding_dim}" for t in config.tables))
+    if args.global_batch_size % world_size:
+        raise SystemExit(f"--global-batch-size {args.global_batch_size} is not divisible by the world size "
+                         f"{world_size}; use a multiple of {world_size}")
+    for name in ("steps", "global_batch_size", "log_every", "keep"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.resume not in ("auto", "none") and not args.resume.isdigit():
+        raise SystemExit(f"--resume {args.resume!r}: use 'auto', 'none' or a step number")
+    if args.crash_drill is not None:
+        parse_crash_drill(args.crash_drill)
+
+
+def parse_crash_drill(text: str) -> tuple[int, int, bool]:
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not all(x.isdigit() for x in parts[:2]) or parts[2:] not in ([], ["save"]):
+        raise SystemExit(f"--crash-drill {text!r}: expected RANK:STEP or RANK:STEP:save")
+    return int(parts[0]), int(parts[1]), parts[2:] == ["save"]
+
+
+# -- the model ---------------------------------------------------------------------------------
+def build_model(config, device: torch.device, batch_per_rank: int, dense_lr: float):
+    """TorchRec's DLRM over the config's tables, planned and sharded; returns (model, optimizer)."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from torchrec_kvzch.data import DENSE_FEATURES
+
+    dim = config.tables[0].embedding_dim
+    ebc = EmbeddingBagCollection(tables=config.embedding_bag_configs(), device=torch.device("meta"))
+    dlrm = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_FEATURES,
+                          dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 32, 1], dense_device=device))
+    world_size = dist.get_world_size()
+    topology = Topology(world_size=world_size, compute_device=device.type,
+                        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    sharders = config.sharders()
+    plan = config.planner(topology, batch_per_rank).collective_plan(dlrm, sharders, dist.group.WORLD)
+    model = DistributedModelParallel(dlrm, device=device, plan=plan, sharders=sharders,
+                                     env=ShardingEnv.from_process_group(dist.group.WORLD))
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                  lambda params: torch.optim.Adagrad(params, lr=dense_lr))
+    return model, CombinedOptimizer([model.fused_optimizer, dense]), plan
+
+
+def predict(model, batch) -> torch.Tensor:
+    """Click probabilities on ``batch``; every rank passes the same batch."""
+    with torch.no_grad():
+        _, (_, logits, _) = model(batch)
+    return torch.sigmoid(logits).cpu()
+
+
+def live_rows(model) -> dict[str, int]:
+    from torchrec_kvzch.sharding import kvzch_tables
+
+    return {name: len(kernel.store) for name, kernel in kvzch_tables(model)}
+
+
+# -- the worker --------------------------------------------------------------------------------
+class PeerLost(RuntimeError):
+    """A collective failed: another rank died or stalled."""
+
+
+def train(args: argparse.Namespace) -> dict:
+    """One rank's job. Returns the run summary (on every rank; rank 0 writes it)."""
+    from torchrec_kvzch.checkpoint.manager import CheckpointManager
+    from torchrec_kvzch.config import load_config
+    from torchrec_kvzch.data import CriteoClickLog, SyntheticClickLog
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout_s))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
+    drill = parse_crash_drill(args.crash_drill) if args.crash_drill else None
+
+    config = load_config(args.config)
+    per_rank = args.global_batch_size // world_size
+    data = (CriteoClickLog(config, args.criteo, args.run_dir / "criteo_cache", args.global_batch_size)
+            if args.criteo else
+            SyntheticClickLog(config, args.global_batch_size, args.seed, args.population,
+                              args.zipf_alpha, args.new_id_fraction))
+    torch.manual_seed(args.seed)  # the same dense initialisation on every rank
+    model, optimizer, plan = build_model(config, device, per_rank, args.dense_lr)
+    checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout_s))
+    manager = CheckpointManager(args.run_dir / "checkpoints", keep=args.keep, process_group=checkpoint_group)
+
+    def state() -> dict:
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    summary: dict = {"config": str(args.config), "world_size": world_size, "global_batch_size": args.global_batch_size,
+                     "data": "criteo" if args.criteo else "synthetic", "resumed_from": None, "load_s": None,
+                     "checkpoints": []}
+    if rank == 0:
+        print(plan, file=sys.stderr)
+    start = 0
+    if args.resume != "none":
+        t0 = time.perf_counter()
+        loaded = manager.load(s := state(), None if args.resume == "auto" else int(args.resume))
+        if loaded is not None:
+            model.load_state_dict(s["model"])
+            optimizer.load_state_dict(s["optim"])
+            start = loaded
+            summary.update(resumed_from=loaded, load_s=time.perf_counter() - t0)
+            summary["probe_after_resume"] = predict(model, data.probe()).tolist()
+    summary["start_step"] = start
+
+    metrics = (args.run_dir / "metrics.jsonl").open("a") if rank == 0 else None
+    bar = tqdm(total=args.steps, initial=start, disable=rank != 0, unit="step", mininterval=1.0,
+               desc=f"train x{world_size}", dynamic_ncols=True)
+    window_loss, window_examples, window_t0 = 0.0, 0, time.perf_counter()
+    train_s, losses = 0.0, []
+    step = start
+    try:
+        while step < args.steps:
+            if drill and drill[:2] == (rank, step) and not drill[2]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.perf_counter()
+            batch = data.batch(step, rank, world_size)
+            loss, _ = model(batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            train_s += time.perf_counter() - t0
+            window_loss += loss.detach().item() * per_rank
+            window_examples += per_rank
+            bar.update(1)
+            if step % args.log_every == 0 or step == args.steps:
+                rows = live_rows(model)
+                totals = torch.tensor([window_loss, window_examples, *rows.values()], dtype=torch.float64)
+                dist.all_reduce(totals)
+                record = {"step": step, "loss": totals[0].item() / totals[1].item(), "world_size": world_size,
+                          "examples_per_s": totals[1].item() / (time.perf_counter() - window_t0),
+                          "live_rows": dict(zip(rows, (int(x) for x in totals[2:])))}
+                losses.append(record["loss"])
+                bar.set_postfix(loss=f"{record['loss']:.4f}", ex_s=f"{record['examples_per_s']:,.0f}",
+                                rows=f"{sum(record['live_rows'].values()):,}", refresh=False)
+                if metrics:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                window_loss, window_examples, window_t0 = 0.0, 0, time.perf_counter()
+            if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
+                dying = drill is not None and drill == (rank, step, True)
+                t0 = time.perf_counter()
+                manager.save(state(), step, asynchronous=args.async_checkpoint or dying)
+                if dying:  # staged, the background write under way: the worst moment to die
+                    os.kill(os.getpid(), signal.SIGKILL)
+                summary["checkpoints"].append({"step": step, "blocking_s": time.perf_counter() - t0})
+                window_t0 += time.perf_counter() - t0  # the save is not training throughput
+        t0 = time.perf_counter()
+        manager.close()
+        if summary["checkpoints"]:
+            summary["checkpoints"][-1]["blocking_s"] += time.perf_counter() - t0
+    except RuntimeError as e:
+        if not _collective_failure(e):
+            raise
+        raise PeerLost(f"rank {rank}: a collective failed at step {step} ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}); another rank died or stalled. "
+                       f"Complete checkpoints: {manager.steps()} under {manager.root}; rerun the same "
+                       f"command to resume from the latest.") from e
+    finally:
+        bar.close()
+        if metrics:
+            metrics.close()
+
+    summary["end_step"] = step
+    summary["probe_final"] = predict(model, data.probe()).tolist()
+    trained = (step - start) * args.global_batch_size
+    summary["loss_last"] = losses[-1] if losses else None
+    gathered = [None] * world_size
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    dist.all_gather_object(gathered, {"rows": live_rows(model), "rss": rss_mib, "train_s": train_s})
+    summary["rows_per_rank"] = {t: [g["rows"][t] for g in gathered] for t in gathered[0]["rows"]}
+    summary["peak_rss_mib"] = [g["rss"] for g in gathered]
+    # Every rank trains in lockstep: the slowest rank's time is the job's.
+    slowest = max(g["train_s"] for g in gathered)
+    summary["train_examples_per_s"] = trained / slowest if slowest else None
+    latest = manager.latest()
+    if latest is not None:
+        summary["checkpoint_step"] = latest
+        summary["checkpoint_bytes"] = sum(f.stat().st_size for f in manager.path(latest).rglob("*") if f.is_file())
+    if rank == 0:
+        args.summary.parent.mkdir(parents=True, exist_ok=True)
+        args.summary.write_text(json.dumps(summary, indent=1))
+    dist.destroy_process_group()
+    return summary
+
+
+def quiet() -> None:
+    """Hide upstream deprecation chatter so the progress bar and real errors stay readable."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|torchrec)\.")
+    for name in ("torchrec.distributed.planner", "torch.fx._symbolic_trace"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _collective_failure(e: RuntimeError) -> bool:
+    """Gloo reports a dead peer as a plain RuntimeError from its transport; NCCL and timeouts as
+    DistError. Anything else is not a peer problem and propagates unchanged."""
+    return isinstance(e, dist.DistError) or re.search(
+        r"gloo|nccl|connection (reset|closed)|timed out|timeout", str(e), re.IGNORECASE) is not None
+
+
+def _worker(args: argparse.Namespace) -> dict:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    quiet()
+    return record(train)(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    check_args(args, int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    if under_torchrun:
+        _worker(args)
+        return 0
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"kvzch-{os.getpid()}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          monitor_interval=0.5, start_method="spawn")
+    try:
+        elastic_launch(launch, _worker)(args)
+    except ChildFailedError as e:
+        failures = "; ".join(f"rank {r}: {_describe(f)}" for r, f in sorted(e.failures.items()))
+        print(f"\ntraining failed ({failures}). Complete checkpoints stay under {args.run_dir / 'checkpoints'}; "
+              f"rerun the same command to resume from the latest.", file=sys.stderr)
+        return 1
+    summary = json.loads(args.summary.read_text())
+    print(format_summary(summary), file=sys.stderr)
+    return 0
+
+
+def _describe(failure) -> str:
+    if failure.exitcode is not None and failure.exitcode < 0:
+        return f"killed by {signal.Signals(-failure.exitcode).name}"
+    message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    return f"exit code {failure.exitcode}: {message.strip().splitlines()[-1] if message else 'see the log above'}"
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"trained steps {s['start_step']} -> {s['end_step']} on {s['world_size']} rank(s)"
+             + (f", resumed from step {s['resumed_from']} (load {s['load_s']:.2f} s)" if s["resumed_from"] is not None else "")]
+    if s.get("train_examples_per_s"):
+        lines.append(f"  throughput    {s['train_examples_per_s']:,.0f} examples/s, last loss {s['loss_last']:.4f}")
+    for table, rows in s["rows_per_rank"].items():
+        lines.append(f"  rows {table:<8} {' + '.join(f'{r:,}' for r in rows)} (per rank)")
+    for c in s["checkpoints"]:
+        lines.append(f"  checkpoint    step {c['step']}: training blocked {c['blocking_s']:.2f} s")
+    if "checkpoint_bytes" in s:
+        lines.append(f"  latest        step {s['checkpoint_step']}, {s['checkpoint_bytes'] / 2**20:,.1f} MiB")
+    lines.append(f"  peak RSS      {', '.join(f'{r:,.0f}' for r in s['peak_rss_mib'])} MiB (per rank)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""The training job end to end: train -> checkpoint -> resume at another world size, a save killed
+half-way, a dead rank, the Criteo path, and the data it trains on."""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from torchrec_kvzch.config import load_config
+from torchrec_kvzch.data import CriteoClickLog, SyntheticClickLog
+from torchrec_kvzch.train import check_args, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+SMALL = ["--config", QUICKSTART, "--global-batch-size", "256", "--population", "3000", "--log-every", "2"]
+
+
+def train(run_dir, *args, nproc=2, summary="summary.json", check=True, env=None, timeout=240):
+    """Run the job as a user would; returns (completed process, summary or None)."""
+    cmd = [sys.executable, "-m", "torchrec_kvzch.train", *SMALL, "--nproc", str(nproc),
+           "--run-dir", str(run_dir), "--summary", str(run_dir / summary), *map(str, args)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    path = run_dir / summary
+    return done, (json.loads(path.read_text()) if path.is_file() else None)
+
+
+def steps_on_disk(run_dir):
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_checkpoint_resume_on_fewer_ranks_continues_exactly(tmp_path):
+    # 2 ranks to step 8, then 1 rank from that checkpoint to step 12 ...
+    _, first = train(tmp_path / "run", "--steps", 8, "--checkpoint-every", 4, "--async-checkpoint")
+    assert first["end_step"] == 8 and steps_on_disk(tmp_path / "run") == ["step-00000004", "step-00000008"]
+    assert all(sum(rows) > 0 for rows in first["rows_per_rank"].values())
+    assert all(len(rows) == 2 and min(rows) > 0 for rows in first["rows_per_rank"].values())
+    _, second = train(tmp_path / "run", "--steps", 12, nproc=1, summary="resumed.json")
+    assert second["resumed_from"] == 8 and second["start_step"] == 8 and second["end_step"] == 12
+    # ... predicts exactly what the saved model predicted: rows, optimizer state, dense weights.
+    assert second["probe_after_resume"] == first["probe_final"]
+    # ... and trains on as an uninterrupted 2-rank run does (same data, same state).
+    _, straight = train(tmp_path / "straight", "--steps", 12, "--checkpoint-every", 0)
+    resumed_curve = {m["step"]: m["loss"] for m in metrics(tmp_path / "run")}
+    straight_curve = {m["step"]: m["loss"] for m in metrics(tmp_path / "straight")}
+    assert resumed_curve.keys() == straight_curve.keys() == {2, 4, 6, 8, 10, 12}
+    for step, loss in straight_curve.items():
+        assert resumed_curve[step] == pytest.approx(loss, rel=1e-4), step
+    assert straight_curve[12] < straight_curve[2]  # the signal is learnable
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    done, _ = train(run, "--steps", 8, "--checkpoint-every", 4, "--crash-drill", "0:8:save", check=False)
+    assert done.returncode == 1 and time.monotonic() - t0 < 120
+    assert "rank 0: killed by SIGKILL" in done.stderr and "rerun the same command to resume" in done.stderr
+    assert steps_on_disk(run) == ["step-00000004", "step-00000008.partial"]
+    _, resumed = train(run, "--steps", 8, nproc=1)
+    assert resumed["resumed_from"] == 4 and resumed["end_step"] == 8
+    assert steps_on_disk(run) == ["step-00000004", "step-00000008"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
+    # Under the job's own launcher: the launcher stops the survivors and names the dead rank.
+    done, _ = train(tmp_path / "launched", "--steps", 20, "--crash-drill", "1:3", check=False)
+    assert done.returncode == 1 and "rank 1: killed by SIGKILL" in done.stderr
+    # Ranks started separately (as on two machines), with no launcher to stop them: the
+    # survivor's collective fails and it exits on its own, naming the cause and the checkpoints.
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cmd = [sys.executable, "-m", "torchrec_kvzch.train", *SMALL, "--steps", "20", "--checkpoint-every", "2",
+               "--run-dir", str(tmp_path / "nodes"), "--crash-drill", "1:3", "--timeout-s", "60"]
+        procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env))
+    t0 = time.monotonic()
+    errors = [p.communicate(timeout=180)[1] for p in procs]
+    assert time.monotonic() - t0 < 150
+    assert procs[1].returncode == -9 and procs[0].returncode != 0
+    assert "another rank died or stalled" in errors[0] and "Complete checkpoints: [2]" in errors[0], errors[0][-3000:]
+
+
+def write_criteo_tsv(path, rows, seed=0):
+    rng = random.Random(seed)
+    pools = [[format(rng.getrandbits(32), "08x") for _ in range(rng.randint(3, 60))] for _ in range(26)]
+    with open(path, "w") as f:
+        for _ in range(rows):
+            dense = [str(rng.randint(0, 50)) if rng.random() > 0.1 else "" for _ in range(13)]
+            cats = [rng.choice(pool) if rng.random() > 0.05 else "" for pool in pools]
+            f.write("\t".join([str(rng.randint(0, 1)), *dense, *cats]) + "\n")
+
+
+CRITEO_CONFIG = """
+optimizer: {type: exact_rowwise_adagrad, learning_rate: 0.05}
+tables:
+""" + "".join(f"""  - name: t{c}
+    embedding_dim: 8
+    features: [cat_{c}]
+    kvzch: {{num_embeddings: 2^32, total_num_buckets: 16, expected_rows: 1000}}
+""" for c in (0, 7, 25))
+
+
+def test_criteo_tsv_gives_every_hash_its_own_row(tmp_path):
+    tsv = tmp_path / "day_0.tsv"
+    write_criteo_tsv(tsv, 300)
+    (tmp_path / "criteo.yaml").write_text(CRITEO_CONFIG)
+    run = tmp_path / "run"
+    cmd_args = ["--config", tmp_path / "criteo.yaml", "--criteo", tsv, "--steps", 4, "--global-batch-size", 64]
+    _, summary = train(run, *cmd_args)
+    assert summary["data"] == "criteo" and summary["end_step"] == 4
+    # Steps 0-3 and the probe read the first 256 lines: one row per distinct hash, no collisions.
+    lines = [line.rstrip("\n").split("\t") for line in tsv.read_text().splitlines()[:256]]
+    for c in (0, 7, 25):
+        distinct = {int(line[14 + c] or "0", 16) for line in lines}
+        assert sum(summary["rows_per_rank"][f"t{c}"]) == len(distinct)
+    assert list((run / "criteo_cache").glob("*_sparse.npy"))  # converted once, then reused
+    _, again = train(run, *cmd_args[:-4], "--steps", 6, "--global-batch-size", 64, nproc=1, summary="again.json")
+    assert again["resumed_from"] == 4
+
+
+def test_criteo_refuses_features_it_does_not_have(tmp_path):
+    tsv = tmp_path / "day_0.tsv"
+    write_criteo_tsv(tsv, 10)
+    with pytest.raises(ValueError, match=r"\['user_id', 'item_id', 'category'\] are not Criteo columns.*configs/criteo.yaml"):
+        CriteoClickLog(load_config(QUICKSTART), [str(tsv)], tmp_path, 4)
+
+
+@settings(max_examples=10)
+@given(step=st.integers(0, 10**6), world_size=st.integers(1, 8), seed=st.integers(0, 100))
+def test_synthetic_batches_do_not_depend_on_the_world_size(step, world_size, seed):
+    log = SyntheticClickLog(load_config(QUICKSTART), 8 * 7 * 5 * 3, seed=seed, population=1000)
+    whole = log.batch(step)
+    parts = [log.batch(step, r, world_size) for r in range(world_size)] if 840 % world_size == 0 else None
+    if parts is None:
+        with pytest.raises(ValueError, match="not divisible by the world size"):
+            log.batch(step, 0, world_size)
+        return
+    for key in whole.sparse_features.keys():
+        joined = torch.cat([p.sparse_features[key].values() for p in parts])
+        assert torch.equal(joined, whole.sparse_features[key].values())
+    assert torch.equal(torch.cat([p.dense_features for p in parts]), whole.dense_features)
+    assert torch.equal(torch.cat([p.labels for p in parts]), whole.labels)
+
+
+def test_synthetic_log_is_skewed_grows_and_carries_a_signal():
+    config = load_config(QUICKSTART)
+    log = SyntheticClickLog(config, 4096, population=10_000, new_id_fraction=0.05)
+    batches = [log.batch(s) for s in range(20)]
+    users = torch.cat([b.sparse_features["user_id"].values() for b in batches])
+    assert (users >= 0).all() and (users < 2**40).all()
+    _, counts = users.unique(return_counts=True)
+    assert counts.max() > 100 * counts.float().median()  # Zipf: a few ids dominate
+    seen, new_per_step = set(), []
+    for b in batches:
+        ids = set(b.sparse_features["user_id"].values().tolist())
+        new_per_step.append(len(ids - seen))
+        seen |= ids
+    assert min(new_per_step[5:]) >= 0.04 * 4096  # fresh ids keep arriving
+    categories = torch.cat([b.sparse_features["category"].values() for b in batches])
+    assert categories.max() < 1024
+    # Labels follow the per-id effect: the most clicked popular users beat the least clicked.
+    labels = torch.cat([b.labels for b in batches])
+    ids, inverse, counts = users.unique(return_inverse=True, return_counts=True)
+    rate = torch.zeros(len(ids)).index_add_(0, inverse, labels) / counts
+    popular = counts >= 50
+    assert rate[popular].max() - rate[popular].min() > 0.3
+
+
+def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
+    with pytest.raises(SystemExit, match="not divisible by the world size 3"):
+        check_args(parse_args(["--config", QUICKSTART, "--nproc", "3"]), 3)
+    with pytest.raises(SystemExit, match="expected RANK:STEP"):
+        check_args(parse_args(["--config", QUICKSTART, "--crash-drill", "1"]), 2)
+    with pytest.raises(SystemExit, match="--resume 'latest'"):
+        check_args(parse_args(["--config", QUICKSTART, "--resume", "latest"]), 2)
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text(Path(QUICKSTART).read_text().replace("embedding_dim: 32\n    num_embeddings: 1024",
+                                                          "embedding_dim: 16\n    num_embeddings: 1024"))
+    with pytest.raises(SystemExit, match="one embedding_dim for all tables.*category=16"):
+        check_args(parse_args(["--config", str(mixed)]), 2)
+    with pytest.raises(Exception, match="no such sharding config"):
+        check_args(parse_args(["--config", str(tmp_path / "missing.yaml")]), 2)

@@ -24,8 +24,12 @@ $(STAMP): requirements.txt setup.py setup.cfg pyproject.toml $(wildcard plugin/t
 test: $(STAMP)
 	$(VPY) -m pytest -q tests
 
+# The main job: train on 2 processes -> checkpoint -> resume on 1 -> compare predictions.
 demo: $(STAMP)
-	$(VPY) benchmarks/bench_store.py --json results/bench_store.json
+	$(VPY) -m torchrec_kvzch.demo --json results/demo.json
+
+bench: $(STAMP)
+	$(VPY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build plugin/*.egg-info plugin/torchrec_kvzch/*.so
+	rm -rf $(VENV) build plugin/*.egg-info plugin/torchrec_kvzch/*.so runs

@@ -60,6 +60,13 @@ def test_train_checkpoint_resume_on_fewer_ranks_continues_exactly(tmp_path):
     for step, loss in straight_curve.items():
         assert resumed_curve[step] == pytest.approx(loss, rel=1e-4), step
     assert straight_curve[12] < straight_curve[2]  # the signal is learnable
+    # A config whose tables no longer match the checkpoint is refused, naming the table.
+    narrow = tmp_path / "narrow.yaml"
+    narrow.write_text(Path(QUICKSTART).read_text().replace("embedding_dim: 32", "embedding_dim: 16"))
+    done, _ = train(tmp_path / "run", "--config", narrow, "--steps", 14, nproc=1, summary="narrow.json", check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "training failed (rank 0: exit code 1: ValueError:" in done.stderr
+    assert "KV-ZCH table 'item' was saved with rows of [40]" in done.stderr and "embedding_dim" in done.stderr
 
 
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):

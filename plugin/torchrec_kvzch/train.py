@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
@@ -142,141 +144,164 @@ class PeerLost(RuntimeError):
     """A collective failed: another rank died or stalled."""
 
 
-def train(args: argparse.Namespace) -> dict:
-    """One rank's job. Returns the run summary (on every rank; rank 0 writes it)."""
-    from torchrec_kvzch.checkpoint.manager import CheckpointManager
-    from torchrec_kvzch.config import load_config
-    from torchrec_kvzch.data import CriteoClickLog, SyntheticClickLog
+class Trainer:
+    """One rank of the job: builds everything in ``__init__``, then ``run()`` resumes, trains to
+    ``--steps`` with checkpoints, and returns the run summary (rank 0 also writes it)."""
 
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout_s))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
-    drill = parse_crash_drill(args.crash_drill) if args.crash_drill else None
+    def __init__(self, args: argparse.Namespace) -> None:
+        from torchrec_kvzch.checkpoint.manager import CheckpointManager
+        from torchrec_kvzch.config import load_config
+        from torchrec_kvzch.data import CriteoClickLog, SyntheticClickLog
 
-    config = load_config(args.config)
-    per_rank = args.global_batch_size // world_size
-    data = (CriteoClickLog(config, args.criteo, args.run_dir / "criteo_cache", args.global_batch_size)
-            if args.criteo else
-            SyntheticClickLog(config, args.global_batch_size, args.seed, args.population,
-                              args.zipf_alpha, args.new_id_fraction))
-    torch.manual_seed(args.seed)  # the same dense initialisation on every rank
-    model, optimizer, plan = build_model(config, device, per_rank, args.dense_lr)
-    checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout_s))
-    manager = CheckpointManager(args.run_dir / "checkpoints", keep=args.keep, process_group=checkpoint_group)
+        self.args = args
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout_s))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
+        self.drill = parse_crash_drill(args.crash_drill) if args.crash_drill else None
 
-    def state() -> dict:
-        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        config = load_config(args.config)
+        self.per_rank = args.global_batch_size // self.world_size
+        self.data = (CriteoClickLog(config, args.criteo, args.run_dir / "criteo_cache", args.global_batch_size)
+                     if args.criteo else
+                     SyntheticClickLog(config, args.global_batch_size, args.seed, args.population,
+                                       args.zipf_alpha, args.new_id_fraction))
+        torch.manual_seed(args.seed)  # the same dense initialisation on every rank
+        self.model, self.optimizer, plan = build_model(config, device, self.per_rank, args.dense_lr)
+        if self.rank == 0:
+            print(plan, file=sys.stderr)
+        # Async saves run their collectives on a thread: they get a group of their own.
+        checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout_s))
+        self.checkpoints = CheckpointManager(args.run_dir / "checkpoints", keep=args.keep,
+                                             process_group=checkpoint_group)
+        self.step = self.start = 0
+        self.train_s, self.losses = 0.0, []
+        self.summary: dict = {"config": str(args.config), "world_size": self.world_size,
+                              "global_batch_size": args.global_batch_size,
+                              "data": "criteo" if args.criteo else "synthetic",
+                              "resumed_from": None, "load_s": None, "checkpoints": []}
 
-    summary: dict = {"config": str(args.config), "world_size": world_size, "global_batch_size": args.global_batch_size,
-                     "data": "criteo" if args.criteo else "synthetic", "resumed_from": None, "load_s": None,
-                     "checkpoints": []}
-    if rank == 0:
-        print(plan, file=sys.stderr)
-    start = 0
-    if args.resume != "none":
+    def state(self) -> dict:
+        """A fresh state dict (KV-ZCH entries are snapshots of the rows at this call)."""
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def run(self) -> dict:
+        self.resume()
+        self.metrics = (self.args.run_dir / "metrics.jsonl").open("a") if self.rank == 0 else None
+        self.bar = tqdm(total=self.args.steps, initial=self.step, disable=self.rank != 0, unit="step",
+                        mininterval=1.0, desc=f"train x{self.world_size}", dynamic_ncols=True)
+        try:
+            self.train()
+        except RuntimeError as e:
+            if not _collective_failure(e):
+                raise
+            raise PeerLost(f"rank {self.rank}: a collective failed at step {self.step} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); another rank died or stalled. "
+                           f"Complete checkpoints: {self.checkpoints.steps()} under {self.checkpoints.root}; "
+                           f"rerun the same command to resume from the latest.") from e
+        finally:
+            self.bar.close()
+            if self.metrics:
+                self.metrics.close()
+        return self.finish()
+
+    def resume(self) -> None:
+        if self.args.resume == "none":
+            return
         t0 = time.perf_counter()
-        loaded = manager.load(s := state(), None if args.resume == "auto" else int(args.resume))
-        if loaded is not None:
-            model.load_state_dict(s["model"])
-            optimizer.load_state_dict(s["optim"])
-            start = loaded
-            summary.update(resumed_from=loaded, load_s=time.perf_counter() - t0)
-            summary["probe_after_resume"] = predict(model, data.probe()).tolist()
-    summary["start_step"] = start
+        state = self.state()
+        try:
+            loaded = self.checkpoints.load(state, None if self.args.resume == "auto" else int(self.args.resume))
+        except CheckpointException as e:  # a BaseException: make it an error the launcher reports
+            raise RuntimeError(f"cannot resume from {self.checkpoints.root} with {self.args.config}: "
+                               f"{e}") from None
+        if loaded is None:
+            return
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.step = self.start = loaded
+        self.summary.update(resumed_from=loaded, load_s=time.perf_counter() - t0,
+                            probe_after_resume=predict(self.model, self.data.probe()).tolist())
 
-    metrics = (args.run_dir / "metrics.jsonl").open("a") if rank == 0 else None
-    bar = tqdm(total=args.steps, initial=start, disable=rank != 0, unit="step", mininterval=1.0,
-               desc=f"train x{world_size}", dynamic_ncols=True)
-    window_loss, window_examples, window_t0 = 0.0, 0, time.perf_counter()
-    train_s, losses = 0.0, []
-    step = start
-    try:
-        while step < args.steps:
-            if drill and drill[:2] == (rank, step) and not drill[2]:
+    def train(self) -> None:
+        args = self.args
+        self.window = [0.0, 0, time.perf_counter()]  # loss sum, examples, start
+        while self.step < args.steps:
+            if self.drill and self.drill[:2] == (self.rank, self.step) and not self.drill[2]:
                 os.kill(os.getpid(), signal.SIGKILL)
             t0 = time.perf_counter()
-            batch = data.batch(step, rank, world_size)
-            loss, _ = model(batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
-            train_s += time.perf_counter() - t0
-            window_loss += loss.detach().item() * per_rank
-            window_examples += per_rank
-            bar.update(1)
-            if step % args.log_every == 0 or step == args.steps:
-                rows = live_rows(model)
-                totals = torch.tensor([window_loss, window_examples, *rows.values()], dtype=torch.float64)
-                dist.all_reduce(totals)
-                record = {"step": step, "loss": totals[0].item() / totals[1].item(), "world_size": world_size,
-                          "examples_per_s": totals[1].item() / (time.perf_counter() - window_t0),
-                          "live_rows": dict(zip(rows, (int(x) for x in totals[2:])))}
-                losses.append(record["loss"])
-                bar.set_postfix(loss=f"{record['loss']:.4f}", ex_s=f"{record['examples_per_s']:,.0f}",
-                                rows=f"{sum(record['live_rows'].values()):,}", refresh=False)
-                if metrics:
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
-                window_loss, window_examples, window_t0 = 0.0, 0, time.perf_counter()
-            if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
-                dying = drill is not None and drill == (rank, step, True)
-                t0 = time.perf_counter()
-                manager.save(state(), step, asynchronous=args.async_checkpoint or dying)
-                if dying:  # staged, the background write under way: the worst moment to die
-                    os.kill(os.getpid(), signal.SIGKILL)
-                summary["checkpoints"].append({"step": step, "blocking_s": time.perf_counter() - t0})
-                window_t0 += time.perf_counter() - t0  # the save is not training throughput
+            loss, _ = self.model(self.data.batch(self.step, self.rank, self.world_size))
+            loss.backward()  # the tables' fused optimizer updates their rows here
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.step += 1
+            self.train_s += time.perf_counter() - t0
+            self.window[0] += loss.detach().item() * self.per_rank
+            self.window[1] += self.per_rank
+            self.bar.update(1)
+            if self.step % args.log_every == 0 or self.step == args.steps:
+                self.log()
+            if self.step == args.steps or (args.checkpoint_every and self.step % args.checkpoint_every == 0):
+                self.save()
         t0 = time.perf_counter()
-        manager.close()
-        if summary["checkpoints"]:
-            summary["checkpoints"][-1]["blocking_s"] += time.perf_counter() - t0
-    except RuntimeError as e:
-        if not _collective_failure(e):
-            raise
-        raise PeerLost(f"rank {rank}: a collective failed at step {step} ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0] if str(e) else ''}); another rank died or stalled. "
-                       f"Complete checkpoints: {manager.steps()} under {manager.root}; rerun the same "
-                       f"command to resume from the latest.") from e
-    finally:
-        bar.close()
-        if metrics:
-            metrics.close()
+        self.checkpoints.close()  # an async save still being written
+        if self.summary["checkpoints"]:
+            self.summary["checkpoints"][-1]["blocking_s"] += time.perf_counter() - t0
 
-    summary["end_step"] = step
-    summary["probe_final"] = predict(model, data.probe()).tolist()
-    trained = (step - start) * args.global_batch_size
-    summary["loss_last"] = losses[-1] if losses else None
-    gathered = [None] * world_size
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    dist.all_gather_object(gathered, {"rows": live_rows(model), "rss": rss_mib, "train_s": train_s})
-    summary["rows_per_rank"] = {t: [g["rows"][t] for g in gathered] for t in gathered[0]["rows"]}
-    summary["peak_rss_mib"] = [g["rss"] for g in gathered]
-    # Every rank trains in lockstep: the slowest rank's time is the job's.
-    slowest = max(g["train_s"] for g in gathered)
-    summary["train_examples_per_s"] = trained / slowest if slowest else None
-    latest = manager.latest()
-    if latest is not None:
-        summary["checkpoint_step"] = latest
-        summary["checkpoint_bytes"] = sum(f.stat().st_size for f in manager.path(latest).rglob("*") if f.is_file())
-    if rank == 0:
-        args.summary.parent.mkdir(parents=True, exist_ok=True)
-        args.summary.write_text(json.dumps(summary, indent=1))
-    dist.destroy_process_group()
-    return summary
+    def log(self) -> None:
+        """Loss and throughput of the window since the last log, and live rows, over all ranks."""
+        loss_sum, examples, t0 = self.window
+        rows = live_rows(self.model)
+        totals = torch.tensor([loss_sum, examples, *rows.values()], dtype=torch.float64)
+        dist.all_reduce(totals)
+        record = {"step": self.step, "loss": totals[0].item() / totals[1].item(), "world_size": self.world_size,
+                  "examples_per_s": totals[1].item() / (time.perf_counter() - t0),
+                  "live_rows": dict(zip(rows, (int(x) for x in totals[2:])))}
+        self.losses.append(record["loss"])
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", ex_s=f"{record['examples_per_s']:,.0f}",
+                             rows=f"{sum(record['live_rows'].values()):,}", refresh=False)
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        self.window = [0.0, 0, time.perf_counter()]
 
+    def save(self) -> None:
+        dying = self.drill is not None and self.drill == (self.rank, self.step, True)
+        t0 = time.perf_counter()
+        self.checkpoints.save(self.state(), self.step, asynchronous=self.args.async_checkpoint or dying)
+        if dying:  # staged, the background write under way: the worst moment to die
+            os.kill(os.getpid(), signal.SIGKILL)
+        blocked = time.perf_counter() - t0
+        self.summary["checkpoints"].append({"step": self.step, "blocking_s": blocked})
+        self.window[2] += blocked  # saving is not training throughput
 
-def quiet() -> None:
-    """Hide upstream deprecation chatter so the progress bar and real errors stay readable."""
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|torchrec)\.")
-    for name in ("torchrec.distributed.planner", "torch.fx._symbolic_trace"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    def finish(self) -> dict:
+        summary, world_size = self.summary, self.world_size
+        summary.update(start_step=self.start, end_step=self.step,
+                       loss_last=self.losses[-1] if self.losses else None,
+                       probe_final=predict(self.model, self.data.probe()).tolist())
+        gathered = [None] * world_size
+        rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        dist.all_gather_object(gathered, {"rows": live_rows(self.model), "rss": rss_mib, "train_s": self.train_s})
+        summary["rows_per_rank"] = {t: [g["rows"][t] for g in gathered] for t in gathered[0]["rows"]}
+        summary["peak_rss_mib"] = [g["rss"] for g in gathered]
+        slowest = max(g["train_s"] for g in gathered)  # ranks train in lockstep: the slowest sets the pace
+        trained = (self.step - self.start) * self.args.global_batch_size
+        summary["train_examples_per_s"] = trained / slowest if slowest else None
+        latest = self.checkpoints.latest()
+        if latest is not None:
+            summary["checkpoint_step"] = latest
+            summary["checkpoint_bytes"] = sum(f.stat().st_size for f in self.checkpoints.path(latest).rglob("*")
+                                              if f.is_file())
+        if self.rank == 0:
+            self.args.summary.parent.mkdir(parents=True, exist_ok=True)
+            self.args.summary.write_text(json.dumps(summary, indent=1))
+        dist.destroy_process_group()
+        return summary
 
 
 def _collective_failure(e: RuntimeError) -> bool:
@@ -286,11 +311,17 @@ def _collective_failure(e: RuntimeError) -> bool:
         r"gloo|nccl|connection (reset|closed)|timed out|timeout", str(e), re.IGNORECASE) is not None
 
 
-def _worker(args: argparse.Namespace) -> dict:
-    from torch.distributed.elastic.multiprocessing.errors import record
+def quiet() -> None:
+    """Hide upstream deprecation chatter so the progress bar and real errors stay readable."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|torchrec)\.")
+    for name in ("torchrec.distributed.planner", "torch.fx._symbolic_trace"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
+
+@record  # a worker's traceback reaches the launcher's failure report
+def _worker(args: argparse.Namespace) -> dict:
     quiet()
-    return record(train)(args)
+    return Trainer(args).run()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,24 @@ def time_plan(make_planner, module, sharders, reps: int) -> tuple[float, object]
     return statistics.median(times), plan
 
 
+def plot(results: dict, tables: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {"fused_only_torchrec": f"TorchRec planner\n{tables} FUSED tables",
+              "kvzch_ours": f"our planner\n{tables} KV-ZCH tables",
+              "mixed_ours": f"our planner\n{tables // 2} + {tables - tables // 2} mixed"}
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bars = ax.bar([labels[k] for k in labels], [results[k]["seconds"] for k in labels],
+                  color=["tab:orange", "tab:blue", "tab:green"])
+    ax.bar_label(bars, fmt="%.2f s")
+    ax.set(ylabel="plan() time (s, median)", title="sharding-plan time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, required=True)
@@ -86,6 +104,7 @@ def main() -> None:
            "targets": {"planning 100 KV-ZCH tables takes <= 2x TorchRec's FUSED-only planning": ratio <= 2.0}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
+    plot(results, args.tables, args.json.with_suffix(".png"))
     print(f"ours / TorchRec FUSED-only: {ratio:.2f}")
     print_targets(out["targets"])
 

@@ -208,3 +208,9 @@ def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
         check_args(parse_args(["--config", str(mixed)]), 2)
     with pytest.raises(Exception, match="no such sharding config"):
         check_args(parse_args(["--config", str(tmp_path / "missing.yaml")]), 2)
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).parent / "torchrec-kvzch-train"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--checkpoint-every" in done.stdout and "--crash-drill" in done.stdout

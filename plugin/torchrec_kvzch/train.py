@@ -31,8 +31,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import Topology
+from torchrec.distributed.types import ShardingEnv
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
+
+from torchrec_kvzch.checkpoint.manager import CheckpointManager
+from torchrec_kvzch.config import load_config
+from torchrec_kvzch.data import DENSE_FEATURES, CriteoClickLog, SyntheticClickLog
+from torchrec_kvzch.sharding import kvzch_tables
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
@@ -71,8 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Refuse a bad command line before any process starts (config errors name file and key)."""
-    from torchrec_kvzch.config import load_config
-
     config = load_config(args.config)
     dims = {t.embedding_dim for t in config.tables}
     if len(dims) != 1:
@@ -99,17 +110,7 @@ def parse_crash_drill(text: str) -> tuple[int, int, bool]:
 
 # -- the model ---------------------------------------------------------------------------------
 def build_model(config, device: torch.device, batch_per_rank: int, dense_lr: float):
-    """TorchRec's DLRM over the config's tables, planned and sharded; returns (model, optimizer)."""
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import Topology
-    from torchrec.distributed.types import ShardingEnv
-    from torchrec.models.dlrm import DLRM, DLRMTrain
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    from torchrec_kvzch.data import DENSE_FEATURES
-
+    """TorchRec's DLRM over the config's tables, planned and sharded; returns (model, optimizer, plan)."""
     dim = config.tables[0].embedding_dim
     ebc = EmbeddingBagCollection(tables=config.embedding_bag_configs(), device=torch.device("meta"))
     dlrm = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_FEATURES,
@@ -134,8 +135,6 @@ def predict(model, batch) -> torch.Tensor:
 
 
 def live_rows(model) -> dict[str, int]:
-    from torchrec_kvzch.sharding import kvzch_tables
-
     return {name: len(kernel.store) for name, kernel in kvzch_tables(model)}
 
 
@@ -149,10 +148,6 @@ class Trainer:
     ``--steps`` with checkpoints, and returns the run summary (rank 0 also writes it)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from torchrec_kvzch.checkpoint.manager import CheckpointManager
-        from torchrec_kvzch.config import load_config
-        from torchrec_kvzch.data import CriteoClickLog, SyntheticClickLog
-
         self.args = args
         use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
@@ -300,6 +295,7 @@ class Trainer:
         if self.rank == 0:
             self.args.summary.parent.mkdir(parents=True, exist_ok=True)
             self.args.summary.write_text(json.dumps(summary, indent=1))
+            print(format_summary(summary), file=sys.stderr)
         dist.destroy_process_group()
         return summary
 
@@ -332,8 +328,6 @@ def main(argv: list[str] | None = None) -> int:
     if under_torchrun:
         _worker(args)
         return 0
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"kvzch-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
@@ -345,8 +339,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntraining failed ({failures}). Complete checkpoints stay under {args.run_dir / 'checkpoints'}; "
               f"rerun the same command to resume from the latest.", file=sys.stderr)
         return 1
-    summary = json.loads(args.summary.read_text())
-    print(format_summary(summary), file=sys.stderr)
     return 0
 
 

@@ -24,6 +24,7 @@ BENCHMARKS = {  # name -> script; the order runs the quick ones first
     "lookup": "bench_lookup.py",
     "scaling": "bench_scaling.py",
     "checkpoint": "bench_checkpoint.py",
+    "soak_eviction": "soak_eviction.py",
 }
 
 
@@ -35,7 +36,7 @@ def main() -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     summary, failed = {}, []
     for name in args.only or BENCHMARKS:
-        out = args.results / f"bench_{name}.json"
+        out = args.results / f"{Path(BENCHMARKS[name]).stem}.json"
         print(f"\n== {name} ==", flush=True)
         t0 = time.perf_counter()
         done = subprocess.run([sys.executable, str(HERE / BENCHMARKS[name]), "--json", str(out)])

@@ -214,7 +214,11 @@ class _Parser:
             if key in kv:
                 kv[key] = tuple(kv[key]) if isinstance(kv[key], list) else kv[key]
         if "eviction" in kv:
-            kv["eviction"] = EvictionPolicy(**self.mapping(kv["eviction"], f"{where}.eviction", _EVICTION_KEYS))
+            ev = dict(self.mapping(kv["eviction"], f"{where}.eviction", _EVICTION_KEYS))
+            for key in ("ttl_steps", "count_threshold", "max_rows", "max_bytes", "interval_steps"):
+                if ev.get(key) is not None:
+                    ev[key] = self.integer(ev[key], f"{where}.eviction.{key}")
+            kv["eviction"] = EvictionPolicy(**ev)
         try:
             return KVZCHTableParams(name=name, embedding_dim=dim, **kv)
         except (TypeError, ValueError) as e:

@@ -105,6 +105,8 @@ class KVZCHTableKernel(nn.Module):
         if training and self._backward_pending:
             self._refuse_growth(ids.numel())
         self.store.clock += 1
+        if not self._backward_pending:  # deletes move rows: never under a pending update
+            self.store.evictor.before_insert(ids)
         slots = self.store.find_or_insert(ids)
         self._bind()
         out = self.tbe(slots, offsets.long(), per_sample_weights)

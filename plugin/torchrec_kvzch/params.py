@@ -53,48 +53,59 @@ class OptimizerKind(str, enum.Enum):
 
 class EvictionKind(str, enum.Enum):
     NONE = "none"
-    TTL = "ttl"  # drop rows not touched for ttl_steps
-    LFU = "lfu"  # drop rows whose (decayed) access count is below count_threshold
-    LRU = "lru"  # under a row budget, drop the least recently touched rows first
+    TTL = "ttl"  # drop rows not touched for more than ttl_steps steps
+    LFU = "lfu"  # decay access counts, drop rows whose count falls below count_threshold
+    LRU = "lru"  # under a budget, drop the least recently touched rows first
 
 
 @dataclass(frozen=True)
 class EvictionPolicy:
-    """When rows leave the store. Timestamps and counts live in each row's metaheader."""
+    """When rows leave a table shard. Timestamps (training steps) and access counts live in each
+    row's metaheader.
+
+    ``ttl`` and ``lfu`` run a pass every ``interval_steps`` training steps. A budget
+    (``max_rows`` and/or ``max_bytes`` per table shard) is enforced before every insert: the
+    policy's least valuable rows go first (oldest timestamp for ``lru`` and ``ttl``, lowest count
+    for ``lfu``). Rows of the batch being looked up are never evicted for it.
+    """
 
     kind: EvictionKind | str = EvictionKind.NONE
     ttl_steps: int | None = None
     count_threshold: int | None = None
     count_decay: float = 1.0
     max_rows: int | None = None
+    max_bytes: int | None = None
+    interval_steps: int = 1
 
     def validate(self, table: str) -> "EvictionPolicy":
+        def fail(problem: str):
+            raise ValueError(f"KV-ZCH table '{table}': {problem}")
+
         try:
             kind = EvictionKind(str(getattr(self.kind, "value", self.kind)).lower())
         except ValueError:
-            allowed = ", ".join(k.value for k in EvictionKind)
-            raise ValueError(
-                f"KV-ZCH table '{table}': eviction.kind {self.kind!r} is unknown; use one of {allowed}"
-            ) from None
-        need = {EvictionKind.TTL: "ttl_steps", EvictionKind.LFU: "count_threshold",
-                EvictionKind.LRU: "max_rows"}.get(kind)
-        if need is not None and not _positive_int(getattr(self, need)):
-            raise ValueError(
-                f"KV-ZCH table '{table}': eviction.kind '{kind.value}' needs eviction.{need} "
-                f"as a positive integer, got {getattr(self, need)!r}"
-            )
-        for name in ("ttl_steps", "count_threshold", "max_rows"):
+            fail(f"eviction.kind {self.kind!r} is unknown; use one of {', '.join(k.value for k in EvictionKind)}")
+        for name in ("ttl_steps", "count_threshold", "max_rows", "max_bytes", "interval_steps"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):
-                raise ValueError(
-                    f"KV-ZCH table '{table}': eviction.{name} must be a positive integer, got {value!r}"
-                )
+                fail(f"eviction.{name} must be a positive integer, got {value!r}")
+        need = {EvictionKind.TTL: "ttl_steps", EvictionKind.LFU: "count_threshold"}.get(kind)
+        if need is not None and getattr(self, need) is None:
+            fail(f"eviction.kind '{kind.value}' needs eviction.{need} as a positive integer, got None")
+        budget = self.max_rows is not None or self.max_bytes is not None
+        if kind is EvictionKind.LRU and not budget:
+            fail("eviction.kind 'lru' needs eviction.max_rows or eviction.max_bytes as a positive integer")
+        if kind is EvictionKind.NONE and budget:
+            fail("a budget (eviction.max_rows / max_bytes) needs eviction.kind lru, ttl or lfu, "
+                 "which decides the rows that go first")
         if not 0.0 < float(self.count_decay) <= 1.0:
-            raise ValueError(
-                f"KV-ZCH table '{table}': eviction.count_decay must be in (0, 1], got {self.count_decay!r}"
-            )
+            fail(f"eviction.count_decay must be in (0, 1], got {self.count_decay!r}")
         return EvictionPolicy(kind, self.ttl_steps, self.count_threshold, float(self.count_decay),
-                              self.max_rows)
+                              self.max_rows, self.max_bytes, self.interval_steps)
+
+    @property
+    def enabled(self) -> bool:
+        return EvictionKind(self.kind) is not EvictionKind.NONE
 
     def to_fbgemm(self):
         """fbgemm's nearest ``EvictionPolicy`` (it counts TTL in minutes, we count steps)."""
@@ -112,6 +123,9 @@ class EvictionPolicy:
             return FbgemmEviction(eviction_trigger_mode=3, eviction_strategy=1,
                                   counter_thresholds=[self.count_threshold],
                                   counter_decay_rates=[self.count_decay])
+        if self.max_rows is None:  # a byte budget: fbgemm's memory-threshold trigger
+            return FbgemmEviction(eviction_trigger_mode=2, eviction_strategy=0, ttls_in_mins=[0],
+                                  eviction_mem_threshold_gb=max(1, self.max_bytes >> 30))
         return FbgemmEviction(eviction_trigger_mode=4, eviction_strategy=0, ttls_in_mins=[0],
                               training_id_eviction_trigger_count=[self.max_rows],
                               training_id_keep_count=[self.max_rows])

@@ -138,6 +138,11 @@ def live_rows(model) -> dict[str, int]:
     return {name: len(kernel.store) for name, kernel in kvzch_tables(model)}
 
 
+def evictions(model) -> dict[str, int]:
+    """Rows evicted so far, per local KV-ZCH table shard."""
+    return {name: kernel.store.evictor.evicted for name, kernel in kvzch_tables(model)}
+
+
 # -- the worker --------------------------------------------------------------------------------
 class PeerLost(RuntimeError):
     """A collective failed: another rank died or stalled."""
@@ -250,15 +255,20 @@ class Trainer:
     def log(self) -> None:
         """Loss and throughput of the window since the last log, and live rows, over all ranks."""
         loss_sum, examples, t0 = self.window
-        rows = live_rows(self.model)
-        totals = torch.tensor([loss_sum, examples, *rows.values()], dtype=torch.float64)
+        rows, evicted = live_rows(self.model), evictions(self.model)
+        totals = torch.tensor([loss_sum, examples, *rows.values(), *evicted.values()], dtype=torch.float64)
         dist.all_reduce(totals)
+        n = len(rows)
         record = {"step": self.step, "loss": totals[0].item() / totals[1].item(), "world_size": self.world_size,
                   "examples_per_s": totals[1].item() / (time.perf_counter() - t0),
-                  "live_rows": dict(zip(rows, (int(x) for x in totals[2:])))}
+                  "live_rows": dict(zip(rows, (int(x) for x in totals[2:2 + n]))),
+                  "evicted": dict(zip(evicted, (int(x) for x in totals[2 + n:])))}
         self.losses.append(record["loss"])
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", ex_s=f"{record['examples_per_s']:,.0f}",
-                             rows=f"{sum(record['live_rows'].values()):,}", refresh=False)
+        postfix = {"loss": f"{record['loss']:.4f}", "ex_s": f"{record['examples_per_s']:,.0f}",
+                   "rows": f"{sum(record['live_rows'].values()):,}"}
+        if any(record["evicted"].values()):
+            postfix["evicted"] = f"{sum(record['evicted'].values()):,}"
+        self.bar.set_postfix(postfix, refresh=False)
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()

@@ -21,6 +21,7 @@ therefore be plain contiguous arrays that fbgemm's TBE indexes directly.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -181,11 +182,14 @@ HUGEPAGE_BYTES = 2 << 20
 
 
 def empty_large(shape, dtype: torch.dtype, device: torch.device, native: bool) -> torch.Tensor:
-    """``torch.empty`` that asks for transparent huge pages on big CPU buffers (native op only)."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if native and device.type == "cpu" and t.numel() * t.element_size() >= 4 * HUGEPAGE_BYTES:
-        torch.ops.kvzch.advise_hugepages(t)
-    return t
+    """``torch.empty`` for the store's big CPU buffers: with the native op, a mapping of their own
+    (huge pages advised, memory back to the OS as soon as it is freed; see ``empty_mapped``)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if native and device.type == "cpu" and nbytes >= 4 * HUGEPAGE_BYTES:
+        return torch.ops.kvzch.empty_mapped(nbytes).view(dtype).view(shape)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def kernels_for(backend: str, device: torch.device) -> Kernels:
@@ -301,6 +305,11 @@ class IdMap:
         self.size = 0
         self._occupied = 0
         self._alloc_table(MIN_CAPACITY)
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` keys without a rehash or slot-array growth."""
+        if rows > self.size:
+            self._reserve(rows - self.size)
 
     # -- internals ----------------------------------------------------------------------------
     def _reserve(self, extra: int) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams
+from torchrec_kvzch.store.eviction import SCRATCH_BYTES_PER_ROW, Evictor
 from torchrec_kvzch.store.id_map import IdMap, as_ids, capacity_for, empty_large
 from torchrec_kvzch.store.initializer import fill_uniform_by_id
 from torchrec_kvzch.store.layout import RowLayout, RowPart, make_meta, meta_used, touch_meta
@@ -87,7 +88,11 @@ class RowStore:
         self.lock = threading.RLock()
         self.in_flight: torch.Tensor | None = None  # slots the pending fused update will write
         self._frozen: tuple = ()  # copy-on-write states of frozen snapshots (see snapshot.py)
+        self.inserted = 0  # rows ever created (evictions: self.evictor.evicted)
         self._alloc(_MIN_ROWS)
+        self.evictor = Evictor(self)
+        if self.evictor.max_rows is not None:  # a budget: room for it now, never a growth copy
+            initial_rows = self.evictor.max_rows
         if initial_rows:
             self.reserve(initial_rows)
 
@@ -116,13 +121,26 @@ class RowStore:
     def live_optimizer(self) -> torch.Tensor:
         return self.optimizer[: len(self)]
 
+    @property
+    def counters(self) -> dict[str, int]:
+        """What the progress bar and benchmarks show: live rows, rows ever inserted and
+        evicted, bytes held."""
+        return {"rows": len(self), "inserted": self.inserted, "evicted": self.evictor.evicted,
+                "bytes": self.nbytes}
+
     @staticmethod
-    def estimated_bytes(layout: RowLayout, rows: int) -> int:
+    def estimated_bytes(layout: RowLayout, rows: int, reserved: bool = False) -> int:
         """Upper bound on what a store holding ``rows`` rows occupies: row arrays and the slot
-        array at their largest growth slack, plus the hash table (what the planner counts)."""
+        array at their largest growth slack, plus the hash table (what the planner counts).
+        ``reserved``: arrays reserved up front (a budget), so no growth slack; instead the peak
+        working memory counts - a second hash table while tombstones are rehashed away, and
+        eviction's per-row scratch (``eviction.py``)."""
         row_bytes = (layout.embedding_dim * layout.itemsize + layout.optimizer_floats * 4
                      + 8 + 8)  # weights, optimizer, meta word, slot -> id
-        return int(rows * row_bytes * _GROWTH) + capacity_for(rows) * 12
+        table = capacity_for(rows) * 12
+        if reserved:
+            return rows * (row_bytes + SCRATCH_BYTES_PER_ROW) + 2 * table
+        return int(rows * row_bytes * _GROWTH) + table
 
     # -- id -> slot ---------------------------------------------------------------------------
     def find(self, ids: torch.Tensor) -> torch.Tensor:
@@ -138,6 +156,7 @@ class RowStore:
         slots = self.map.find_or_insert(ids)
         if len(self) > old:
             self._init_rows(old, len(self))
+            self.inserted += len(self) - old
         if touch and slots.numel():
             self._before_change(slots)
             touch_meta(self.meta, slots, self.clock, self._native)
@@ -280,6 +299,7 @@ class RowStore:
         written, so reserving costs address space, not physical memory."""
         if rows > self.capacity:
             self._resize(rows, keep=len(self))
+        self.map.reserve(rows)
 
     def clear(self) -> None:
         with self.lock:

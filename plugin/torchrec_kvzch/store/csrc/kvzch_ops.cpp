@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 
@@ -255,27 +256,29 @@ at::Tensor gather_rows(const at::Tensor& weights, const at::Tensor& optimizer, c
   return out;
 }
 
-// Asks the kernel to back a large tensor with transparent huge pages (on systems where THP is
-// in "madvise" mode). Row stores are written at random and grow by first touch: 2 MiB pages
-// cut page faults 512x and TLB misses on lookups. Returns whether the advice was taken.
-bool advise_hugepages(const at::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu(), "kvzch advise_hugepages: CPU tensors only");
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const auto end = begin + static_cast<uintptr_t>(t.numel() * t.element_size());
-  const uintptr_t first = (begin + page - 1) / page * page;
-  const uintptr_t last = end / page * page;
-  if (last <= first) return false;
+// A buffer in an anonymous mapping of its own. Transparent huge pages are advised (on systems
+// where THP is in "madvise" mode): row stores are written at random and grow by first touch, and
+// 2 MiB pages cut page faults 512x and TLB misses on lookups. Pages are committed as they are
+// first written and go back to the OS the moment the tensor is freed; torch's CPU allocator
+// (glibc malloc) may instead keep freed blocks of a few tens of MiB in its heap, so a store that
+// reallocates its hash table under eviction would creep above its memory budget.
+at::Tensor empty_mapped(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0, "kvzch empty_mapped: negative size ", nbytes);
+  const size_t length = static_cast<size_t>(std::max<int64_t>(nbytes, 1));
+  void* data = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(data != MAP_FAILED, "kvzch empty_mapped: mmap of ", length, " bytes failed: ",
+              std::strerror(errno));
 #ifdef MADV_HUGEPAGE
-  return madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE) == 0;
-#else
-  return false;
+  madvise(data, length, MADV_HUGEPAGE);
 #endif
+  return at::from_blob(
+      data, {nbytes}, [length](void* p) { munmap(p, length); }, at::TensorOptions().dtype(at::kByte));
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvzch, m) {
+  m.def("empty_mapped(int nbytes) -> Tensor", &empty_mapped);
   m.def("probe(Tensor table_keys, Tensor ids) -> Tensor");
   m.def("lookup(Tensor table_keys, Tensor table_slots, Tensor ids) -> Tensor");
   m.def(
@@ -283,7 +286,6 @@ TORCH_LIBRARY(kvzch, m) {
       "Tensor ids, int size) -> Tensor");
   m.def("uniform_by_id_(Tensor(a!) out, Tensor ids, float low, float high, int seed) -> ()");
   m.def("touch(Tensor(a!) meta, Tensor slots, int clock) -> ()");
-  m.def("advise_hugepages(Tensor t) -> bool");
   m.def("gather_rows(Tensor weights, Tensor optimizer, Tensor meta, Tensor keys, Tensor slots, "
         "int row_width, int optimizer_offset) -> Tensor");
 }
@@ -294,7 +296,6 @@ TORCH_LIBRARY_IMPL(kvzch, CPU, m) {
   m.impl("find_or_insert", &find_or_insert);
   m.impl("uniform_by_id_", &uniform_by_id_);
   m.impl("touch", &touch);
-  m.impl("advise_hugepages", &advise_hugepages);
   m.impl("gather_rows", &gather_rows);
 }
 

@@ -27,11 +27,13 @@ from torchrec.distributed.embeddingbag import (
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvzch.checkpoint.state_dict import kv_view, load_rows, table_entries
 from torchrec_kvzch.params import KVZCHTableParams
 from torchrec_kvzch.sharding.kernels import FUSED_PARAMS_KEY, KVZCHEmbeddingKernel
 from torchrec_kvzch.sharding.tables import kvzch_kernels, kvzch_tables
+from torchrec_kvzch.sharding.validation import BatchChecker
 
 KVZCH_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 ROW_WISE = ShardingType.ROW_WISE.value
@@ -101,6 +103,13 @@ class _KVZCHModuleMixin:
         # TorchRec leaves CUSTOMIZED_KERNEL tables out of its state dict; ours add them.
         self._register_state_dict_hook(_add_kvzch_entries)
         self._register_load_state_dict_pre_hook(_take_kvzch_entries, with_module=True)
+        self._check_batch = BatchChecker(getattr(self, self._configs_attr))
+
+    def input_dist(self, ctx, features, *args, **kwargs):
+        # A store makes rows of whatever ids arrive: refuse a bad batch before it is routed.
+        if isinstance(features, KeyedJaggedTensor):
+            self._check_batch(features)
+        return super().input_dist(ctx, features, *args, **kwargs)
 
     def _kvzch_tables(self) -> set[str]:
         return {t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == KVZCH_KERNEL}

@@ -1,0 +1,71 @@
+"""Checks on every batch a sharded module receives, before any of it reaches a table.
+
+A KV-ZCH table creates a row for whatever id it is given, so a bad batch does not fail by itself:
+negative or out-of-range ids would be routed to no rank or become rows, and lengths that
+disagree with the values would shift ids between features. TorchRec checks a batch's structure
+once, on the first batch, without naming features, and fixes the feature routing from that
+batch's key order: a later batch with its keys in another order would send features to the
+wrong tables, silently. ``BatchChecker`` runs in the sharded module's ``input_dist`` on every
+batch, before the ids are routed and before any store changes, and raises ``ValueError`` naming
+the feature, its table and the fix. It costs a few vectorised passes over the ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+class BatchChecker:
+    def __init__(self, configs) -> None:
+        """``configs``: the module's TorchRec table configs (name, num_embeddings, feature_names)."""
+        self.table_of = {f: c.name for c in configs for f in c.feature_names}
+        self.rows_of = {f: c.num_embeddings for c in configs for f in c.feature_names}
+        self.keys: list[str] | None = None  # the first batch's key order, which TorchRec routes by
+
+    def tables(self, features) -> list[str]:
+        return sorted({self.table_of[f] for f in features if f in self.table_of})
+
+    def __call__(self, kjt: KeyedJaggedTensor) -> None:
+        keys = kjt.keys()
+        if self.keys is not None and keys != self.keys:
+            if sorted(keys) == sorted(self.keys):
+                raise ValueError(f"the batch's features come in the order {keys}, the first batch's in "
+                                 f"{self.keys}; TorchRec routes features by the first batch's order, so "
+                                 "keep one order for every batch")
+        unknown = [k for k in keys if k not in self.table_of]
+        if unknown:
+            raise ValueError(f"features {unknown} are not read by any table of this module (its tables "
+                             f"read {sorted(self.table_of)}); drop them from the batch or add their tables")
+        missing = sorted(set(self.table_of) - set(keys))
+        if missing:
+            raise ValueError(f"features {missing} (tables {self.tables(missing)}) are missing from the "
+                             "batch; pass them, with zero lengths if they have no ids")
+        values = kjt.values()
+        if values.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"the ids of features {keys} (tables {self.tables(keys)}) are "
+                             f"{values.dtype}; ids must be int32 or int64")
+        lengths = kjt.lengths()
+        if not kjt.variable_stride_per_key() and lengths.numel() % len(keys):
+            raise ValueError(f"the batch has {lengths.numel()} lengths for the {len(keys)} features "
+                             f"{keys}; give each feature one length per example")
+        if lengths.numel() and bool((lengths < 0).any()):
+            raise ValueError(f"the batch of features {keys} has negative lengths")
+        if int(lengths.sum()) != values.numel():
+            raise ValueError(f"the lengths of features {keys} add up to {int(lengths.sum())}, but the "
+                             f"batch has {values.numel()} ids; lengths and values must agree")
+        weights = kjt.weights_or_none()
+        if weights is not None and weights.numel() != values.numel():
+            raise ValueError(f"the batch has {weights.numel()} weights for {values.numel()} ids of "
+                             f"features {keys}; give one weight per id")
+        if values.numel():
+            per_key = torch.tensor(kjt.length_per_key(), device=values.device)
+            limits = torch.tensor([self.rows_of[k] for k in keys], device=values.device)
+            bad = (values < 0) | (values.long() >= limits.repeat_interleave(per_key, output_size=values.numel()))
+            if bool(bad.any()):
+                first = int(torch.nonzero(bad)[0])
+                key = keys[int(torch.searchsorted(per_key.cumsum(0), first, right=True))]
+                raise ValueError(f"feature '{key}' (table '{self.table_of[key]}') has id "
+                                 f"{int(values[first])}, outside [0, {self.rows_of[key]}); hash or remap "
+                                 "ids into the table's num_embeddings")
+        self.keys = self.keys or keys

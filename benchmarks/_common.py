@@ -31,6 +31,16 @@ def same_huge_pages_for_the_baseline() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
+def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
+    """Re-exec with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``), unless one is set.
+    By default glibc raises the threshold (up to 32 MiB) whenever a large block is freed, after
+    which per-step temporaries of that size come from the heap and, freed, stay in the process:
+    RSS then measures the allocator's history, not the memory in use."""
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(nbytes))
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def zipf_ranks(n: int, size: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
     """``size`` draws of ranks in ``[0, n)`` with P(rank k) proportional to 1 / (k + 1)^alpha."""
     weights = torch.arange(1, n + 1, dtype=torch.float64).pow(-alpha)

@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = {  # name -> script; the order runs the quick ones first
-    "store": "bench_store.py",
-    "planner": "bench_planner.py",
-    "lookup": "bench_lookup.py",
-    "scaling": "bench_scaling.py",
-    "checkpoint": "bench_checkpoint.py",
-    "soak_eviction": "soak_eviction.py",
+BENCHMARKS = {  # name -> (script, its JSON, arguments); the order runs the quick ones first
+    "store": ("bench_store.py", "bench_store.json", []),
+    "planner": ("bench_planner.py", "bench_planner.json", []),
+    "lookup": ("bench_lookup.py", "bench_lookup.json", []),
+    "scaling": ("bench_scaling.py", "bench_scaling.json", []),
+    "checkpoint": ("bench_checkpoint.py", "bench_checkpoint.json", []),
+    "soak_eviction": ("soak_eviction.py", "soak_eviction.json", []),
+    "soak_rank_budget": ("soak_eviction.py", "soak_rank_budget.json", ["--scope", "rank"]),
 }
 
 
@@ -36,10 +37,11 @@ def main() -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     summary, failed = {}, []
     for name in args.only or BENCHMARKS:
-        out = args.results / f"{Path(BENCHMARKS[name]).stem}.json"
+        script, json_name, extra = BENCHMARKS[name]
+        out = args.results / json_name
         print(f"\n== {name} ==", flush=True)
         t0 = time.perf_counter()
-        done = subprocess.run([sys.executable, str(HERE / BENCHMARKS[name]), "--json", str(out)])
+        done = subprocess.run([sys.executable, str(HERE / script), "--json", str(out), *extra])
         entry = {"json": str(out), "seconds": time.perf_counter() - t0, "exit_code": done.returncode}
         if done.returncode == 0:
             entry["targets"] = json.loads(out.read_text()).get("targets", {})

@@ -39,7 +39,7 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
 @pytest.mark.parametrize("text, fragment", [
     ("tables: []\n", "tables: expected a non-empty list of tables"),
     ("optimiser: {}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
-     "optimiser: unknown key; allowed: description, optimizer, tables"),
+     "optimiser: unknown key; allowed: description, optimizer, rank_budget, tables"),
     ("optimizer: {type: lamb}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
      "optimizer.type: 'lamb' is not supported; use one of exact_rowwise_adagrad, exact_sgd, adam"),
     ("tables:\n" + GOOD_TABLE, "tables[0] (t): missing required key 'num_embeddings' (or a 'kvzch' block)"),
@@ -62,6 +62,16 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
     ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n  - {name: u, embedding_dim: 4, features: [f], num_embeddings: 3}\n",
      "tables (u).features: feature 'f' already feeds table 't'"),
     ("tables: [\n", "not valid YAML"),
+    ("rank_budget: {max_bytes: 2^20, order: fifo}\ntables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16}\n",
+     "rank_budget: order 'fifo' is unknown; use lru or lfu"),
+    ("rank_budget: {}\ntables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16}\n",
+     "rank_budget: set max_rows and/or max_bytes"),
+    ("rank_budget: {max_rows: many}\ntables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16}\n",
+     "rank_budget.max_rows: expected an integer (or 'a^b'), got 'many'"),
+    ("rank_budget: {bytes: 5}\ntables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16}\n",
+     "rank_budget.bytes: unknown key; allowed: max_bytes, max_rows, order"),
+    ("rank_budget: {max_rows: 5}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
+     "rank_budget: no table is KV-ZCH (has a 'kvzch' block); remove rank_budget"),
 ])
 def test_bad_configs_name_file_key_and_fix(tmp_path, text, fragment):
     path = tmp_path / "bad.yaml"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, RowStore
+from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, RankBudget, RowStore, SharedBudget
 from torchrec_kvzch.kernel import KVZCHTableKernel
 from torchrec_kvzch.store.eviction import budget_rows
 from torchrec_kvzch.store.initializer import uniform_by_id_torch
@@ -122,6 +122,133 @@ def test_store_agrees_with_a_plain_model_of_the_policy(kind, data):
         assert store.counters["rows"] == len(model.rows)
 
 
+class RankModel:
+    """A rank budget over several tables, in plain Python: after each table's own policy, the
+    rows of all tables in (budget order, table, id) order are chosen until the rank is 1/64
+    below it; chosen rows of tables looked up earlier in the step (busy) stay for now."""
+
+    def __init__(self, budget: RankBudget, tables: list[Model], layouts):
+        self.budget, self.tables, self.layouts = budget, tables, layouts
+        self.busy = set()  # tables looked up earlier in this step: their update is pending
+
+    def over(self, rows: list[int], slack: bool) -> bool:
+        used = []
+        if self.budget.max_rows is not None:
+            used.append((sum(rows), self.budget.max_rows))
+        if self.budget.max_bytes is not None:
+            used.append((sum(RowStore.estimated_bytes(lay, n, reserved=True) for lay, n in zip(self.layouts, rows)),
+                         self.budget.max_bytes))
+        return any(total > limit - (limit // 64 if slack else 0) for total, limit in used)
+
+    def forward(self, j, ids):
+        table = self.tables[j]
+        table.clock += 1
+        table.before_insert(ids)
+        rows = [len(t.rows) for t in self.tables]
+        rows[j] += len(set(ids) - table.rows.keys())
+        if self.over(rows, slack=False):
+            def key(ti):
+                t, i = ti
+                ts, count = self.tables[t].rows[i]
+                return ((count, ts) if self.budget.order.value == "lfu" else (ts,)) + (t, i)
+            pool = sorted(((t, i) for t, m in enumerate(self.tables) for i in m.rows
+                           if not (t == j and i in ids)), key=key)
+            for t, i in pool:
+                if not self.over(rows, slack=True):
+                    break
+                rows[t] -= 1
+                if t not in self.busy or t == j:
+                    del self.tables[t].rows[i]
+                    self.tables[t].evicted += 1
+        for i in ids:
+            row = table.rows.setdefault(i, [table.clock, 0])
+            row[0], row[1] = table.clock, min(row[1] + 1, COUNT_MAX)
+        self.busy.add(j)
+
+
+@settings(max_examples=max(10, settings().max_examples // 2))
+@given(data=st.data())
+def test_rank_budget_agrees_with_a_plain_model(data):
+    order = data.draw(st.sampled_from(["lru", "lfu"]))
+    # Byte budgets: each store counts 24 KiB of hash tables, plus 54-294 bytes per row.
+    budget = data.draw(st.one_of(
+        st.builds(RankBudget, max_rows=st.integers(5, 130), order=st.just(order)),
+        st.builds(RankBudget, max_bytes=st.integers(30_000, 120_000), order=st.just(order)),
+        st.builds(RankBudget, max_rows=st.integers(10, 150), max_bytes=st.integers(30_000, 120_000),
+                  order=st.just(order))))
+    shared = SharedBudget(budget)
+    stores, models = [], []
+    for t in range(data.draw(st.integers(1, 3))):
+        own = data.draw(st.sampled_from([EvictionPolicy(), EvictionPolicy("lru", max_rows=25),
+                                         EvictionPolicy("ttl", ttl_steps=3)]))
+        params = KVZCHTableParams(f"t{t}", data.draw(st.sampled_from([4, 16, 64])), num_embeddings=2**20,
+                                  total_num_buckets=16, eviction=own)
+        stores.append(RowStore(params, backend=data.draw(st.sampled_from(["native", "torch"]))))
+        shared.attach(stores[-1])
+        models.append(Model(params.eviction, stores[-1].evictor.max_rows))
+    model = RankModel(budget, models, [s.layout for s in stores])
+    # A training step, as under DMP: every table's forward in turn (its clock advances even for an
+    # empty batch), then every backward.
+    batch = st.lists(st.integers(0, 200), max_size=30)
+    steps = data.draw(st.lists(st.lists(batch, min_size=len(stores), max_size=len(stores)), min_size=3, max_size=15))
+    for step in steps:
+        new_this_step = 0
+        for j, ids in enumerate(step):
+            store = stores[j]
+            store.clock += 1
+            store.evictor.before_insert(torch.tensor(ids, dtype=torch.long))
+            store.in_flight = store.find_or_insert(torch.tensor(ids, dtype=torch.long))
+            model.forward(j, ids)
+            if budget.max_rows is not None:  # past it by at most the rows this step added
+                assert shared.usage()["rows"] <= budget.max_rows + new_this_step + len(set(ids))
+            new_this_step += len(set(ids))
+        for store in stores:
+            store.in_flight = None
+        model.busy.clear()
+        for store, m in zip(stores, models):
+            assert store_rows(store) == m.rows
+            assert store.counters["evicted"] == m.evicted
+
+
+def test_rank_budget_takes_ties_by_table_then_id_and_defers_pending_tables():
+    shared = SharedBudget(RankBudget(max_rows=4))
+    a, b = (RowStore(KVZCHTableParams(name, 4, num_embeddings=2**20, total_num_buckets=16)) for name in "ab")
+    for store in (a, b):
+        shared.attach(store)
+
+    def forward(store, ids):
+        ids = torch.tensor(ids, dtype=torch.long)
+        store.evictor.before_insert(ids)
+        store.in_flight = store.find_or_insert(ids)
+
+    def step(batch_a, batch_b):
+        a.clock, b.clock = a.clock + 1, b.clock + 1
+        forward(a, batch_a)
+        forward(b, batch_b)
+        a.in_flight = b.in_flight = None
+
+    step([10, 11], [1, 2])  # 4 rows, all last touched at step 1
+    step([20], [])  # one must go: of the tied oldest rows, table a's (the first attached), lowest id
+    assert a.sorted_ids().tolist() == [11, 20] and b.sorted_ids().tolist() == [1, 2]
+    step([], [3])  # a's 11 is chosen, but a's update is pending: it stays, the rank is over by 1
+    assert a.sorted_ids().tolist() == [11, 20] and b.sorted_ids().tolist() == [1, 2, 3]
+    step([], [])  # a's next forward finds the rank over and evicts 11 then
+    assert a.sorted_ids().tolist() == [20] and b.sorted_ids().tolist() == [1, 2, 3]
+    assert (a.counters["evicted"], b.counters["evicted"]) == (2, 0)
+
+
+def test_rank_budget_validation_and_one_budget_per_store():
+    for kwargs, fragment in [({}, "set max_rows and/or max_bytes"),
+                             ({"max_rows": 0}, "max_rows must be a positive integer"),
+                             ({"max_bytes": 2**20, "order": "ttl"}, "order 'ttl' is unknown")]:
+        with pytest.raises(ValueError, match=fragment):
+            RankBudget(**kwargs)
+    store = RowStore(KVZCHTableParams("t", 4, num_embeddings=2**20, total_num_buckets=16))
+    SharedBudget(RankBudget(max_rows=10)).attach(store)
+    with pytest.raises(ValueError, match="table 't': this store is already under another rank budget"):
+        SharedBudget(RankBudget(max_rows=10)).attach(store)
+
+
 def test_byte_budget_is_the_most_rows_that_fit_and_is_reserved_up_front():
     params = KVZCHTableParams("t", 64, num_embeddings=2**20, total_num_buckets=16,
                               eviction=EvictionPolicy("lru", max_bytes=50 * 2**20))
@@ -162,6 +289,9 @@ def test_eviction_is_configured_in_yaml():
     user, item = config.kvzch_tables
     assert (user.eviction.kind.value, user.eviction.ttl_steps, user.eviction.interval_steps) == ("ttl", 50, 10)
     assert (item.eviction.kind.value, item.eviction.max_bytes) == ("lru", 2**23)
+    assert config.rank_budget == RankBudget(max_bytes=2**24, order="lru")
+    [sharder, _] = config.sharders()
+    assert sharder.shared_budget.budget == config.rank_budget
 
 
 def _train_evict_save_load(rank, world_size, path):
@@ -182,39 +312,49 @@ def _train_evict_save_load(rank, world_size, path):
                                eviction=EvictionPolicy("lru", max_rows=300)),
               KVZCHTableParams("ttl", 8, num_embeddings=2**36, total_num_buckets=8, learning_rate=0.1,
                                enable_optimizer_offloading=True, backend_return_whole_row=True,
-                               eviction=EvictionPolicy("ttl", ttl_steps=3))]
+                               eviction=EvictionPolicy("ttl", ttl_steps=3)),
+              KVZCHTableParams("plain", 8, num_embeddings=2**36, total_num_buckets=8, learning_rate=0.1,
+                               enable_optimizer_offloading=True, backend_return_whole_row=True)]
 
     def build():
         ebc = EmbeddingBagCollection(tables=[kvzch_embedding_bag_config(t, [f"f_{t.name}"]) for t in tables],
                                      device=torch.device("meta"))
         planner = KVZCHShardingPlanner(Topology(world_size=world_size, compute_device="cpu"), batch_size=64,
                                        constraints={t.name: KVZCHConstraints(kvzch=t) for t in tables})
-        sharders = kvzch_sharders({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1})
+        sharders = kvzch_sharders({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1},
+                                  rank_budget=RankBudget(max_rows=900))
         plan = planner.collective_plan(ebc, sharders, dist.group.WORLD)
         return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=sharders,
-                                        env=ShardingEnv.from_process_group(dist.group.WORLD))
+                                        env=ShardingEnv.from_process_group(dist.group.WORLD)), sharders
 
-    model = build()
+    model, sharders = build()
     gen = torch.Generator().manual_seed(rank)
-    for _ in range(12):  # 2 x 128 fresh ids per rank and step: far past the budget and the ttl
-        ids = torch.randint(0, 2**36, (256,), generator=gen)
-        features = KeyedJaggedTensor(keys=["f_lru", "f_ttl"], values=ids, lengths=torch.ones(256, dtype=torch.long))
+    most_rows = 0
+    for _ in range(12):  # 3 x 128 fresh ids per rank and step: far past the budgets and the ttl
+        ids = torch.randint(0, 2**36, (384,), generator=gen)
+        features = KeyedJaggedTensor(keys=["f_lru", "f_ttl", "f_plain"], values=ids,
+                                     lengths=torch.ones(384, dtype=torch.long))
         model(features).wait().values().sum().backward()
+        most_rows = max(most_rows, sharders[0].shared_budget.usage()["rows"])
     evicted = {name: k.store.evictor.evicted for name, k in kvzch_tables(model)}
     survivors = {name: k.store.read_ids(k.store.sorted_ids(), "row") for name, k in kvzch_tables(model)}
     state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
     CheckpointManager(path).save(state, step=12)
-    fresh = build()
+    fresh, _ = build()
     state = {"model": fresh.state_dict(), "optim": fresh.fused_optimizer.state_dict()}
     CheckpointManager(path).load(state)
     fresh.load_state_dict(state["model"])
     loaded = {name: k.store.read_ids(k.store.sorted_ids(), "row") for name, k in kvzch_tables(fresh)}
-    return evicted, {n: torch.equal(loaded[n].view(torch.int32), survivors[n].view(torch.int32)) for n in loaded}
+    same = {n: torch.equal(loaded[n].view(torch.int32), survivors[n].view(torch.int32)) for n in loaded}
+    return evicted, same, most_rows
 
 
 def test_checkpoints_after_eviction_hold_exactly_the_surviving_rows(tmp_path):
+    """On 2 ranks: a table's own lru budget, a ttl, and a rank budget over all three tables
+    (``plain`` has no policy of its own), through the sharders; then a checkpoint round trip."""
     from _dist import run_ranks
 
-    for evicted, same in run_ranks(2, _train_evict_save_load, str(tmp_path / "ckpt")):
-        assert evicted["lru"] > 500 and evicted["ttl"] > 500
-        assert same == {"lru": True, "ttl": True}
+    for evicted, same, most_rows in run_ranks(2, _train_evict_save_load, str(tmp_path / "ckpt")):
+        assert evicted["lru"] > 500 and evicted["ttl"] > 500 and evicted["plain"] > 500
+        assert most_rows <= 900 + 3 * 384  # past the rank budget by at most one step's new rows
+        assert same == {"lru": True, "ttl": True, "plain": True}

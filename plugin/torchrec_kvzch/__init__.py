@@ -6,8 +6,10 @@ from torchrec_kvzch.params import (
     EvictionPolicy,
     KVZCHTableParams,
     OptimizerKind,
+    RankBudget,
 )
 from torchrec_kvzch.store import IdMap, RowLayout, RowStore
+from torchrec_kvzch.store.eviction import SharedBudget
 from torchrec_kvzch.store.id_map import native_status
 
 __all__ = [
@@ -17,8 +19,10 @@ __all__ = [
     "KVTensor",
     "KVZCHTableParams",
     "OptimizerKind",
+    "RankBudget",
     "RowLayout",
     "RowPart",
     "RowStore",
+    "SharedBudget",
     "native_status",
 ]

@@ -16,6 +16,7 @@
         num_embeddings: 1000
         features: [category]
         planner: {sharding_types: [table_wise]}
+    rank_budget: {max_bytes: 2^30}  # optional: one memory budget over the KV-ZCH tables of a rank
 
 ``load_config(path)`` validates every key and value and raises ``ConfigError`` naming the
 file, the key and what is allowed, before anything is built. Integers may be written ``2^40``.
@@ -33,7 +34,7 @@ from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
-from torchrec_kvzch.params import EvictionPolicy, KVZCHTableParams, OptimizerKind
+from torchrec_kvzch.params import EvictionPolicy, KVZCHTableParams, OptimizerKind, RankBudget
 from torchrec_kvzch.sharding.planner import KVZCHConstraints, KVZCHShardingPlanner
 from torchrec_kvzch.sharding.modules import kvzch_sharders
 from torchrec_kvzch.sharding.tables import kvzch_embedding_bag_config, kvzch_embedding_config
@@ -43,6 +44,7 @@ _OPTIMIZER_KEYS = {"type", "learning_rate", "eps"}
 _TABLE_KEYS = {"name", "embedding_dim", "features", "pooling", "num_embeddings", "kvzch", "planner"}
 _KVZCH_KEYS = {f.name for f in fields(KVZCHTableParams)} - {"name", "embedding_dim"}
 _EVICTION_KEYS = {f.name for f in fields(EvictionPolicy)}
+_RANK_BUDGET_KEYS = {f.name for f in fields(RankBudget)}
 _PLANNER_KEYS = {"sharding_types", "compute_kernels", "pooling_factors", "num_poolings",
                  "batch_sizes", "min_partition", "enforce_hbm"}
 _SHARDING_TYPES = [t.value for t in ShardingType]
@@ -70,6 +72,7 @@ class ShardingConfig:
     learning_rate: float
     eps: float
     tables: tuple[TableSpec, ...]
+    rank_budget: RankBudget | None = None
 
     @property
     def kvzch_tables(self) -> list[KVZCHTableParams]:
@@ -102,9 +105,10 @@ class ShardingConfig:
         return out
 
     def sharders(self) -> list:
-        """Sharders; the ordinary tables get the config's fused optimizer."""
+        """Sharders; the ordinary tables get the config's fused optimizer, the KV-ZCH tables of
+        each rank share the config's ``rank_budget``."""
         return kvzch_sharders({"optimizer": self.optimizer.to_fbgemm(),
-                               "learning_rate": self.learning_rate, "eps": self.eps})
+                               "learning_rate": self.learning_rate, "eps": self.eps}, self.rank_budget)
 
     def planner(self, topology: Topology, batch_size: int) -> KVZCHShardingPlanner:
         return KVZCHShardingPlanner(topology, batch_size, self.constraints())
@@ -153,7 +157,7 @@ class _Parser:
         return value
 
     def config(self, raw: Any) -> ShardingConfig:
-        top = self.mapping(raw, "", {"optimizer", "tables", "description"}, {"tables"})
+        top = self.mapping(raw, "", {"optimizer", "tables", "description", "rank_budget"}, {"tables"})
         opt = self.mapping(top.get("optimizer", {}), "optimizer", _OPTIMIZER_KEYS)
         kind = self.optimizer_kind(opt.get("type", "exact_rowwise_adagrad"), "optimizer.type")
         lr, eps = opt.get("learning_rate", 0.01), opt.get("eps", 1e-8)
@@ -170,7 +174,20 @@ class _Parser:
                     self.fail(f"tables ({t.name}).features", f"feature '{f}' already feeds table "
                               f"'{seen_features[f]}'; each feature feeds one table")
                 seen_features[f] = t.name
-        return ShardingConfig(self.path, kind, float(lr), float(eps), tuple(tables))
+        budget = self.rank_budget(top["rank_budget"]) if top.get("rank_budget") is not None else None
+        if budget is not None and not any(t.kvzch for t in tables):
+            self.fail("rank_budget", "no table is KV-ZCH (has a 'kvzch' block); remove rank_budget")
+        return ShardingConfig(self.path, kind, float(lr), float(eps), tuple(tables), budget)
+
+    def rank_budget(self, raw: Any) -> RankBudget:
+        b = dict(self.mapping(raw, "rank_budget", _RANK_BUDGET_KEYS))
+        for key in ("max_rows", "max_bytes"):
+            if b.get(key) is not None:
+                b[key] = self.integer(b[key], f"rank_budget.{key}")
+        try:
+            return RankBudget(**b)
+        except ValueError as e:
+            self.fail("rank_budget", str(e).removeprefix("rank budget: "))
 
     def optimizer_kind(self, value: Any, where: str) -> OptimizerKind:
         try:

@@ -132,6 +132,32 @@ class EvictionPolicy:
 
 
 @dataclass(frozen=True)
+class RankBudget:
+    """A memory budget shared by every KV-ZCH table shard of a rank (``max_rows`` and/or
+    ``max_bytes`` over all of them). When a batch's new rows would take the rank past it, the
+    least valuable rows of any table go first, by ``order``: ``lru`` (oldest timestamp) or
+    ``lfu`` (lowest count, then oldest). Each table's own ``EvictionPolicy`` still applies.
+    """
+
+    max_rows: int | None = None
+    max_bytes: int | None = None
+    order: EvictionKind | str = EvictionKind.LRU
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise ValueError(f"rank budget: {name} must be a positive integer, got {value!r}")
+        if self.max_rows is None and self.max_bytes is None:
+            raise ValueError("rank budget: set max_rows and/or max_bytes (the limit over all "
+                             "KV-ZCH table shards of a rank)")
+        order = str(getattr(self.order, "value", self.order)).lower()
+        if order not in (EvictionKind.LRU.value, EvictionKind.LFU.value):
+            raise ValueError(f"rank budget: order {self.order!r} is unknown; use lru or lfu")
+        object.__setattr__(self, "order", EvictionKind(order))
+
+
+@dataclass(frozen=True)
 class BucketRange:
     """The contiguous buckets ``[start, end)`` one rank owns; ``size`` ids per bucket."""
 

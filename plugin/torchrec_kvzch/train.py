@@ -138,9 +138,11 @@ def live_rows(model) -> dict[str, int]:
     return {name: len(kernel.store) for name, kernel in kvzch_tables(model)}
 
 
-def evictions(model) -> dict[str, int]:
-    """Rows evicted so far, per local KV-ZCH table shard."""
-    return {name: kernel.store.evictor.evicted for name, kernel in kvzch_tables(model)}
+def store_counters(model) -> dict[str, list[int]]:
+    """Per counter (``RowStore.counters``: rows, inserted, evicted, bytes), its value for each
+    local KV-ZCH table shard, in table order."""
+    counters = [kernel.store.counters for _, kernel in kvzch_tables(model)]
+    return {key: [c[key] for c in counters] for key in ("rows", "inserted", "evicted", "bytes")}
 
 
 # -- the worker --------------------------------------------------------------------------------
@@ -255,20 +257,21 @@ class Trainer:
     def log(self) -> None:
         """Loss and throughput of the window since the last log, and live rows, over all ranks."""
         loss_sum, examples, t0 = self.window
-        rows, evicted = live_rows(self.model), evictions(self.model)
-        totals = torch.tensor([loss_sum, examples, *rows.values(), *evicted.values()], dtype=torch.float64)
-        dist.all_reduce(totals)
-        n = len(rows)
+        tables = [name for name, _ in kvzch_tables(self.model)]
+        counters = store_counters(self.model)
+        totals = torch.tensor([loss_sum, examples, *(v for values in counters.values() for v in values)],
+                              dtype=torch.float64)
+        dist.all_reduce(totals)  # every rank holds a shard of every table: sums are table totals
+        per_table = totals[2:].view(len(counters), len(tables)).long().tolist()
         record = {"step": self.step, "loss": totals[0].item() / totals[1].item(), "world_size": self.world_size,
                   "examples_per_s": totals[1].item() / (time.perf_counter() - t0),
-                  "live_rows": dict(zip(rows, (int(x) for x in totals[2:2 + n]))),
-                  "evicted": dict(zip(evicted, (int(x) for x in totals[2 + n:])))}
+                  **{("live_rows" if key == "rows" else key): dict(zip(tables, values))
+                     for key, values in zip(counters, per_table)}}
         self.losses.append(record["loss"])
-        postfix = {"loss": f"{record['loss']:.4f}", "ex_s": f"{record['examples_per_s']:,.0f}",
-                   "rows": f"{sum(record['live_rows'].values()):,}"}
-        if any(record["evicted"].values()):
-            postfix["evicted"] = f"{sum(record['evicted'].values()):,}"
-        self.bar.set_postfix(postfix, refresh=False)
+        rows, inserted, evicted, nbytes = (sum(values) for values in per_table)
+        self.bar.set_postfix({"loss": f"{record['loss']:.4f}", "ex_s": f"{record['examples_per_s']:,.0f}",
+                              "rows": f"{rows:,}", "ins": f"{inserted:,}", "evict": f"{evicted:,}",
+                              "MiB": f"{nbytes / 2**20:,.0f}"}, refresh=False)
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()

@@ -30,10 +30,11 @@ from torchrec.distributed.types import ParameterSharding, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvzch.checkpoint.state_dict import kv_view, load_rows, table_entries
-from torchrec_kvzch.params import KVZCHTableParams
+from torchrec_kvzch.params import KVZCHTableParams, RankBudget
 from torchrec_kvzch.sharding.kernels import FUSED_PARAMS_KEY, KVZCHEmbeddingKernel
 from torchrec_kvzch.sharding.tables import kvzch_kernels, kvzch_tables
 from torchrec_kvzch.sharding.validation import BatchChecker
+from torchrec_kvzch.store.eviction import SharedBudget
 
 KVZCH_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 ROW_WISE = ShardingType.ROW_WISE.value
@@ -187,6 +188,17 @@ def _take_kvzch_entries(module, state_dict, prefix, *args) -> None:
 
 # -- sharders ----------------------------------------------------------------------------------
 class _KVZCHSharderMixin:
+    def __init__(self, *args, shared_budget: SharedBudget | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shared_budget = shared_budget
+
+    def _under_budget(self, sharded):
+        """Put the KV-ZCH table shards of a module just sharded under the rank budget."""
+        if self.shared_budget is not None:
+            for _, kernel in kvzch_tables(sharded):
+                self.shared_budget.attach(kernel.store)
+        return sharded
+
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = list(super().sharding_types(compute_device_type))
         return types if ROW_WISE in types else [*types, ROW_WISE]
@@ -200,11 +212,11 @@ class KVZCHEmbeddingBagCollectionSharder(_KVZCHSharderMixin, EmbeddingBagCollect
     """Shards EmbeddingBagCollections whose KV-ZCH tables use our kernel; other tables as usual."""
 
     def shard(self, module, params, env, device=None, module_fqn=None):
-        return KVZCHShardedEmbeddingBagCollection(
+        return self._under_budget(KVZCHShardedEmbeddingBagCollection(
             module=module, table_name_to_parameter_sharding=params, env=env,
             fused_params=self.fused_params, device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
-            sharded_module_order_overwrite=self._sharded_module_order_overwrite)
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite))
 
     @property
     def sharded_module_type(self):
@@ -215,19 +227,23 @@ class KVZCHEmbeddingCollectionSharder(_KVZCHSharderMixin, EmbeddingCollectionSha
     """Shards EmbeddingCollections whose KV-ZCH tables use our kernel; other tables as usual."""
 
     def shard(self, module, params, env, device=None, module_fqn=None):
-        return KVZCHShardedEmbeddingCollection(
+        return self._under_budget(KVZCHShardedEmbeddingCollection(
             module, params, env, self.fused_params, device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
-            use_index_dedup=self._use_index_dedup, module_fqn=module_fqn)
+            use_index_dedup=self._use_index_dedup, module_fqn=module_fqn))
 
     @property
     def sharded_module_type(self):
         return KVZCHShardedEmbeddingCollection
 
 
-def kvzch_sharders(fused_params: dict[str, Any] | None = None) -> list:
+def kvzch_sharders(fused_params: dict[str, Any] | None = None,
+                   rank_budget: RankBudget | None = None) -> list:
     """Sharders for models mixing KV-ZCH and ordinary tables. ``fused_params`` configure the
     ordinary (FUSED) tables, e.g. ``{"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-    "learning_rate": 0.01}``; KV-ZCH tables take theirs from ``KVZCHTableParams``."""
-    return [KVZCHEmbeddingBagCollectionSharder(fused_params=fused_params),
-            KVZCHEmbeddingCollectionSharder(fused_params=fused_params)]
+    "learning_rate": 0.01}``; KV-ZCH tables take theirs from ``KVZCHTableParams``.
+    ``rank_budget``: one memory budget shared by every KV-ZCH table shard these sharders
+    create on this rank (``sharders[0].shared_budget`` reports its usage)."""
+    shared = SharedBudget(rank_budget) if rank_budget is not None else None
+    return [KVZCHEmbeddingBagCollectionSharder(fused_params=fused_params, shared_budget=shared),
+            KVZCHEmbeddingCollectionSharder(fused_params=fused_params, shared_budget=shared)]

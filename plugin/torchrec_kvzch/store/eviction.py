@@ -1,39 +1,49 @@
 """Eviction: which rows a table shard drops, decided from the rows' metaheaders.
 
 The kernel calls ``Evictor.before_insert(ids)`` in each forward before looking the batch up, the
-one moment no fused update is pending (a delete moves rows between slots). Two triggers:
+one moment no fused update is pending (a delete moves rows between slots). Three triggers:
 
 * a periodic pass (``ttl``, ``lfu``) every ``interval_steps`` steps of the store's clock:
   ``ttl`` drops rows not touched for more than ``ttl_steps`` steps; ``lfu`` first decays every
   row's access count (``count := floor(count * count_decay)``), then drops rows whose count is
   below ``count_threshold``;
-* a budget (``max_rows``, ``max_bytes``): when the batch's new rows would take the shard past it,
-  the least valuable rows go first - oldest timestamp for ``lru`` and ``ttl``, lowest count (then
-  oldest) for ``lfu``, ties by ascending id - down to 1/64 below the budget, so that the next
-  batches do not each pay for a selection.
+* the table's budget (``max_rows``, ``max_bytes`` per table shard): when the batch's new rows
+  would take the shard past it, the least valuable rows go first - oldest timestamp for ``lru``
+  and ``ttl``, lowest count (then oldest) for ``lfu``, ties by ascending id - down to 1/64 below
+  the budget, so that the next batches do not each pay for a selection;
+* a rank's budget (``SharedBudget`` over a ``RankBudget``), shared by several stores: the same,
+  over the rows of all of them, in the budget's order (ties by store, then id). A store whose
+  fused update is pending (looked up earlier in this step) cannot lose rows now - a delete
+  would move rows under the update - so its share of the chosen rows stays until its next
+  forward, which finds the rank still past the budget and evicts them then.
 
-Rows of the batch being looked up are never evicted for it; if they alone exceed the budget the
-shard goes past it by at most that batch. A pass that would rewrite every header (``lfu`` decay)
-or scan them all waits while a checkpoint snapshot is frozen (the rewrite would make it copy the
-table), and runs at the first forward after the snapshot is released. Budget evictions do not
-wait: they copy only the rows they remove.
+Rows of the batch being looked up are never evicted for it; if they alone exceed a budget the
+shard (or rank) goes past it by at most that batch. A pass that would rewrite every header
+(``lfu`` decay) or scan them all waits while a checkpoint snapshot is frozen (the rewrite would
+make it copy the table), and runs at the first forward after the snapshot is released. Budget
+evictions do not wait: they copy only the rows they remove.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import weakref
+from collections.abc import Callable, Sequence
+
 import torch
 
-from torchrec_kvzch.params import EvictionKind, EvictionPolicy
+from torchrec_kvzch.params import EvictionKind, EvictionPolicy, RankBudget
 from torchrec_kvzch.store.layout import meta_count, meta_timestamp
 
 _COUNT_SHIFT = 32
 _COUNT_MASK = (1 << 31) - 1
-# Peak scratch of one eviction, per live row: two masks, the sort keys and their candidate copy
-# (int64 for lfu, which the budget accounting assumes for every policy).
+# Peak scratch of one eviction, per live row: two masks, the order keys and their candidate copy
+# (int64 for lfu, which the budget accounting assumes for every order).
 SCRATCH_BYTES_PER_ROW = 1 + 1 + 8 + 8
 
 
-def budget_rows(policy: EvictionPolicy, bytes_for_rows) -> int | None:
+def budget_rows(policy: EvictionPolicy | RankBudget, bytes_for_rows) -> int | None:
     """The row budget of a policy: ``max_rows``, and/or the most rows whose memory
     (``bytes_for_rows(rows)``, the store's upper bound) fits ``max_bytes``."""
     limits = [policy.max_rows] if policy.max_rows is not None else []
@@ -48,25 +58,98 @@ def budget_rows(policy: EvictionPolicy, bytes_for_rows) -> int | None:
     return min(limits) if limits else None
 
 
+def order_key(meta: torch.Tensor, order: EvictionKind) -> torch.Tensor:
+    """Per row, a key that is smaller for rows that should go first: the count then the
+    timestamp for ``lfu``, the timestamp otherwise."""
+    if order is EvictionKind.LFU:
+        return meta_timestamp(meta) | (meta_count(meta) << _COUNT_SHIFT)
+    # The timestamp is the low int32 of the meta word: a view, no copy.
+    return meta.view(torch.int32)[0::2] if meta.numel() else meta_timestamp(meta)
+
+
+def least_valuable(stores: Sequence, candidates: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
+                   enough: Callable[[list[int]], bool]) -> list[torch.Tensor]:
+    """The rows to evict from several stores: the shortest prefix of the candidate rows, in order
+    of (key, store, id), whose removal makes ``enough(rows removed per store)`` true (all of
+    them when even that is not enough). Returns a mask per store.
+
+    ``enough`` must be monotone (removing more never hurts), so the cut-off key is found by
+    bisection over key values, each step counting rows below it with one vectorised pass per
+    store, and the ties at the cut-off go by store, then ascending id."""
+    pools = [key[mask] for key, mask in zip(keys, candidates)]
+    if enough([0] * len(stores)) or not any(p.numel() for p in pools):
+        return [torch.zeros_like(mask) for mask in candidates]
+    if not enough([p.numel() for p in pools]):
+        return [mask.clone() for mask in candidates]
+    low = min(int(p.min()) for p in pools if p.numel())
+    high = max(int(p.max()) for p in pools if p.numel())
+    while low < high:  # the smallest key c such that removing every row with key <= c is enough
+        mid = (low + high) // 2
+        if enough([int((p <= mid).sum()) for p in pools]):
+            high = mid
+        else:
+            low = mid + 1
+    below = [int((p < low).sum()) for p in pools]
+    del pools
+    ties = [0] * len(stores)
+    for j, key in enumerate(keys):  # ties at the cut-off: store by store, as few as needed
+        tied = int((candidates[j] & (key == low)).sum())
+        removed = [below[i] + ties[i] for i in range(len(stores))]
+        removed[j] += tied
+        if not enough(removed):
+            ties[j] = tied
+            continue
+        fewest, most = 0, tied
+        while fewest < most:
+            mid = (fewest + most) // 2
+            removed[j] = below[j] + mid
+            fewest, most = (fewest, mid) if enough(removed) else (mid + 1, most)
+        ties[j] = fewest
+        break
+    chosen = []
+    for store, mask, key, take in zip(stores, candidates, keys, ties):
+        picked = mask & (key < low)
+        if take:
+            tied = torch.nonzero(mask & (key == low)).view(-1)
+            ids = store.map.keys()[tied]
+            picked[tied[torch.topk(ids, take, largest=False).indices]] = True
+        chosen.append(picked)
+    return chosen
+
+
 class Evictor:
+    """The eviction of one store: its table's policy, and the rank budget it shares, if any."""
+
     def __init__(self, store) -> None:
         self.store = store
         self.policy = store.params.eviction
         self.kind = EvictionKind(self.policy.kind)
         self.max_rows = budget_rows(self.policy, lambda rows: store.estimated_bytes(store.layout, rows, reserved=True))
+        self.shared: SharedBudget | None = None  # set by SharedBudget.attach
         self.evicted = 0
         self._pass_due = False
 
     def before_insert(self, ids: torch.Tensor) -> int:
-        """Run a due pass, then make room under the budget for the batch ``ids``; returns the
-        number of rows evicted."""
-        if self.kind is EvictionKind.NONE:
-            return 0
+        """Run a due pass, then make room for the batch ``ids`` under the table's budget and the
+        rank's; returns the number of rows evicted from this store and others."""
+        evicted = self._own_policy(ids) if self.kind is not EvictionKind.NONE else 0
+        if self.shared is not None:
+            evicted += self.shared.make_room(self.store, ids)
+        return evicted
+
+    def remove(self, doomed: torch.Tensor) -> int:
+        """Evict the rows of the mask ``doomed`` (one entry per live slot)."""
+        victims = torch.nonzero(doomed).view(-1)
+        if victims.numel():
+            self.store.delete(self.store.map.keys()[victims])
+            self.evicted += victims.numel()
+        return victims.numel()
+
+    def _own_policy(self, ids: torch.Tensor) -> int:
         store = self.store
         ids = store._check_ids(ids)
         present = store.find(ids)
-        protected = torch.zeros(len(store), dtype=torch.bool, device=store.device)
-        protected[present[present >= 0]] = True
+        protected = _batch_rows(store, present)
         doomed = torch.zeros_like(protected)
         if self.kind in (EvictionKind.TTL, EvictionKind.LFU) and store.clock % self.policy.interval_steps == 0:
             self._pass_due = True
@@ -74,16 +157,16 @@ class Evictor:
             self._pass_due = False
             doomed |= self._expired() & ~protected
         if self.max_rows is not None:
-            new = int(torch.unique(ids[present < 0]).numel()) if ids.numel() else 0
+            new = _new_rows(ids, present)
             survivors = len(store) - int(doomed.sum())
             if survivors + new > self.max_rows:
-                need = survivors + new - (self.max_rows - self.max_rows // 64)
-                doomed |= self._least_valuable(need, ~(protected | doomed))
-        victims = torch.nonzero(doomed).view(-1)
-        if victims.numel():
-            store.delete(store.map.keys()[victims])
-            self.evicted += victims.numel()
-        return victims.numel()
+                target = self.max_rows - self.max_rows // 64
+                order = EvictionKind.LFU if self.kind is EvictionKind.LFU else EvictionKind.LRU
+                key = order_key(store.meta[: len(store)], order)
+                [extra] = least_valuable([store], [~(protected | doomed)], [key],
+                                         lambda removed: survivors - removed[0] + new <= target)
+                doomed |= extra
+        return self.remove(doomed)
 
     def _expired(self) -> torch.Tensor:
         """The periodic pass's verdict per live row (``lfu``: after decaying the counts)."""
@@ -96,22 +179,87 @@ class Evictor:
             meta.copy_((meta & ~(_COUNT_MASK << _COUNT_SHIFT)) | (count << _COUNT_SHIFT))
         return meta_count(meta) < self.policy.count_threshold
 
-    def _least_valuable(self, need: int, candidates: torch.Tensor) -> torch.Tensor:
-        """The ``need`` least valuable candidate rows; ties go by ascending id, so the choice
-        never depends on where rows sit in the arrays."""
-        meta = self.store.meta[: len(self.store)]
-        if self.kind is EvictionKind.LFU:
-            key = meta_timestamp(meta) | (meta_count(meta) << _COUNT_SHIFT)
-        else:  # the timestamp is the low int32 of the meta word: a view, no copy
-            key = meta.view(torch.int32)[0::2] if meta.numel() else meta_timestamp(meta)
-        pool = key[candidates]
-        if need >= pool.numel():
-            return candidates.clone()
-        cutoff = torch.kthvalue(pool, need).values
-        del pool
-        chosen = candidates & (key < cutoff)
-        tied = torch.nonzero(candidates & (key == cutoff)).view(-1)
-        rest = need - int(chosen.sum())
-        ids = self.store.map.keys()[tied]
-        chosen[tied[torch.topk(ids, rest, largest=False).indices]] = True
-        return chosen
+
+class SharedBudget:
+    """A ``RankBudget`` over the stores attached to it: all KV-ZCH table shards of a rank
+    (``kvzch_sharders(rank_budget=...)`` attaches every store it shards). Stores are held weakly,
+    so the tables of a dropped model leave the budget."""
+
+    def __init__(self, budget: RankBudget) -> None:
+        if not isinstance(budget, RankBudget):
+            raise TypeError(f"SharedBudget needs a RankBudget, got {type(budget).__name__}")
+        self.budget = budget
+        self._stores: list[weakref.ref] = []
+
+    def attach(self, store) -> None:
+        """Put ``store`` under this budget. On CPU its row arrays are reserved for as many rows
+        as the whole budget holds of its rows (address space only), so it never grows by copying."""
+        if store.evictor.shared not in (None, self):
+            raise ValueError(f"table '{store.params.name}': this store is already under another rank budget")
+        if store.evictor.shared is None:
+            store.evictor.shared = self
+            self._stores.append(weakref.ref(store))
+        if store.device.type == "cpu":  # at most the machine's memory: a larger mapping may be refused
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            most = dataclasses.replace(self.budget, max_bytes=min(self.budget.max_bytes or physical, physical))
+            store.reserve(budget_rows(most, lambda rows: self.bytes_of(store, rows)), id_map=False)
+
+    @property
+    def stores(self) -> list:
+        """The live stores under the budget, in the order they were attached."""
+        alive = [(ref, ref()) for ref in self._stores]
+        self._stores = [ref for ref, store in alive if store is not None]
+        return [store for _, store in alive if store is not None]
+
+    @staticmethod
+    def bytes_of(store, rows: int) -> int:
+        """What ``rows`` rows of ``store`` count against a byte budget (as for a table's)."""
+        return store.estimated_bytes(store.layout, rows, reserved=True)
+
+    def usage(self) -> dict[str, int]:
+        """Rows and counted bytes over all stores under the budget."""
+        stores = self.stores
+        return {"rows": sum(len(s) for s in stores), "bytes": sum(self.bytes_of(s, len(s)) for s in stores)}
+
+    def make_room(self, store, ids: torch.Tensor) -> int:
+        """Evict from the stores under the budget so that the new rows of ``ids`` in ``store``
+        fit; returns the rows evicted (from any store)."""
+        stores = self.stores
+        if store not in stores:
+            raise ValueError(f"table '{store.params.name}': this store is not under the rank budget")
+        ids = store._check_ids(ids)
+        present = store.find(ids)
+        new = _new_rows(ids, present)
+        at, budget = stores.index(store), self.budget
+
+        def over(removed: list[int], slack: bool) -> bool:
+            """Past the budget (``slack``: past 1/64 below it) after removing and inserting."""
+            rows = [len(s) - r + (new if i == at else 0) for i, (s, r) in enumerate(zip(stores, removed))]
+            used = []
+            if budget.max_rows is not None:
+                used.append((sum(rows), budget.max_rows))
+            if budget.max_bytes is not None:
+                used.append((sum(map(self.bytes_of, stores, rows)), budget.max_bytes))
+            return any(total > limit - (limit // 64 if slack else 0) for total, limit in used)
+
+        if not over([0] * len(stores), slack=False):
+            return 0
+        protected = _batch_rows(store, present)
+        candidates = [~protected if s is store else torch.ones(len(s), dtype=torch.bool, device=s.device)
+                      for s in stores]
+        keys = [order_key(s.meta[: len(s)], budget.order) for s in stores]
+        doomed = least_valuable(stores, candidates, keys, lambda removed: not over(removed, slack=True))
+        # Rows chosen in a store whose fused update is pending stay until its next forward.
+        return sum(s.evictor.remove(mask) for s, mask in zip(stores, doomed)
+                   if s is store or s.in_flight is None)
+
+
+def _batch_rows(store, present: torch.Tensor) -> torch.Tensor:
+    """Mask over the live slots of the rows the batch looks up (never evicted for it)."""
+    protected = torch.zeros(len(store), dtype=torch.bool, device=store.device)
+    protected[present[present >= 0]] = True
+    return protected
+
+
+def _new_rows(ids: torch.Tensor, present: torch.Tensor) -> int:
+    return int(torch.unique(ids[present < 0]).numel()) if ids.numel() else 0

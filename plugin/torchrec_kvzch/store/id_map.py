@@ -192,6 +192,14 @@ def empty_large(shape, dtype: torch.dtype, device: torch.device, native: bool) -
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def release_rows(tensor: torch.Tensor, start: int, end: int, native: bool) -> None:
+    """Give the memory of rows ``[start, end)`` of a CPU buffer back to the OS (whole pages only;
+    they read as zeros if touched again): dead rows past a store's end after a compaction."""
+    if native and tensor.device.type == "cpu" and end > start:
+        row_bytes = tensor.stride(0) * tensor.element_size()
+        torch.ops.kvzch.release_pages(tensor, start * row_bytes, end * row_bytes)
+
+
 def kernels_for(backend: str, device: torch.device) -> Kernels:
     """``auto`` picks the native op on CPU when it is built, else the torch twin."""
     if backend not in ("auto", "native", "torch"):
@@ -295,6 +303,7 @@ class IdMap:
             moved = self.slot_keys[src]
             self.table_slots[self.kernels.probe(self.table_keys, moved)] = dst.int()
             self.slot_keys[dst] = moved
+        release_rows(self.slot_keys, new_size, self.size, self.kernels.name == "native")
         self.size = new_size
         if new_size < self.capacity * MAX_LOAD / 4 and self.capacity > MIN_CAPACITY:
             self.slot_keys = self.slot_keys[: max(new_size * 3 // 2, 1)].clone()

@@ -24,13 +24,19 @@ import torch
 
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams
 from torchrec_kvzch.store.eviction import SCRATCH_BYTES_PER_ROW, Evictor
-from torchrec_kvzch.store.id_map import IdMap, as_ids, capacity_for, empty_large
+from torchrec_kvzch.store.id_map import IdMap, as_ids, capacity_for, empty_large, release_rows
 from torchrec_kvzch.store.initializer import fill_uniform_by_id
 from torchrec_kvzch.store.layout import RowLayout, RowPart, make_meta, meta_used, touch_meta
 from torchrec_kvzch.store.snapshot import RowSnapshot
 
 _GROWTH = 1.5
 _MIN_ROWS = 1024
+_COPY_CHUNK_BYTES = 4 << 20
+
+
+def _shift(window: slice, piece: slice) -> slice:
+    """The part ``piece`` of the contiguous slot window ``window``."""
+    return slice(window.start + piece.start, window.start + piece.stop)
 
 
 @dataclass(frozen=True)
@@ -59,10 +65,18 @@ class RowArrays:
         return out
 
     def assign(self, at, source: "RowArrays", slots) -> None:
-        """``self[at] = source[slots]`` for every array."""
+        """``self[at] = source[slots]`` for every array. Gathers by index tensors go in chunks of
+        about 4 MiB: one gather of every row a large eviction moves would be a temporary copy
+        as big as those rows, outside any memory budget."""
         for dst, src in zip((self.weights, self.optimizer, self.meta),
                             (source.weights, source.optimizer, source.meta)):
-            dst[at] = src[slots]
+            if not isinstance(slots, torch.Tensor):
+                dst[at] = src[slots]  # slices: a view, no copy
+                continue
+            step = max(1, _COPY_CHUNK_BYTES // max(1, src[:1].nbytes))
+            for start in range(0, slots.numel(), step):
+                piece = slice(start, min(start + step, slots.numel()))
+                dst[at[piece] if isinstance(at, torch.Tensor) else _shift(at, piece)] = src[slots[piece]]
 
 
 class RowStore:
@@ -89,6 +103,7 @@ class RowStore:
         self.in_flight: torch.Tensor | None = None  # slots the pending fused update will write
         self._frozen: tuple = ()  # copy-on-write states of frozen snapshots (see snapshot.py)
         self.inserted = 0  # rows ever created (evictions: self.evictor.evicted)
+        self._reserved = 0  # capacity reserved up front: deletes never shrink below it
         self._alloc(_MIN_ROWS)
         self.evictor = Evictor(self)
         if self.evictor.max_rows is not None:  # a budget: room for it now, never a growth copy
@@ -173,8 +188,12 @@ class RowStore:
         moves = self.map.erase(ids)
         self.epoch += 1
         self.arrays.assign(moves.dst, self.arrays, moves.src)
-        if moves.new_size * 4 < self.capacity and self.capacity > _MIN_ROWS:
-            self._resize(max(_MIN_ROWS, int(moves.new_size * _GROWTH)), keep=moves.new_size)
+        floor = max(_MIN_ROWS, self._reserved)
+        if moves.new_size * 4 < self.capacity and self.capacity > floor:
+            self._resize(max(floor, int(moves.new_size * _GROWTH)), keep=moves.new_size)
+        else:  # the dead tail's memory goes back without a copy
+            for array in (self.weights, self.optimizer, self.meta):
+                release_rows(array, moves.new_size, before, self._native)
         return before - len(self)
 
     # -- reads --------------------------------------------------------------------------------
@@ -294,12 +313,15 @@ class RowStore:
         self.write(self.find_or_insert(keys, touch=False), rows, RowPart.ROW)
         return keys.numel()
 
-    def reserve(self, rows: int) -> None:
-        """Make room for ``rows`` rows without further copies. Pages are committed as rows are
-        written, so reserving costs address space, not physical memory."""
+    def reserve(self, rows: int, id_map: bool = True) -> None:
+        """Make room for ``rows`` rows without further copies; deletes never shrink the arrays
+        below it. The row arrays' pages are committed as rows are written, so they cost address
+        space, not memory; the id map's table (``id_map``) is written in full up front."""
+        self._reserved = max(self._reserved, rows)
         if rows > self.capacity:
             self._resize(rows, keep=len(self))
-        self.map.reserve(rows)
+        if id_map:
+            self.map.reserve(rows)
 
     def clear(self) -> None:
         with self.lock:

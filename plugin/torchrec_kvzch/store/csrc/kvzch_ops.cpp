@@ -275,10 +275,25 @@ at::Tensor empty_mapped(int64_t nbytes) {
       data, {nbytes}, [length](void* p) { munmap(p, length); }, at::TensorOptions().dtype(at::kByte));
 }
 
+// Gives the whole pages inside bytes [start, end) of a CPU buffer back to the OS; they read as
+// zeros when touched again. After an eviction compacts a store, its dead tail rows stay committed
+// otherwise: a store whose share of a memory budget shrinks would keep its old peak.
+void release_pages(at::Tensor buffer, int64_t start, int64_t end) {
+  TORCH_CHECK(buffer.device().is_cpu(), "kvzch release_pages: a CPU tensor is needed");
+  TORCH_CHECK(0 <= start && start <= end && end <= buffer.numel() * buffer.element_size(),
+              "kvzch release_pages: bytes [", start, ", ", end, ") are outside the buffer");
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto base = reinterpret_cast<uintptr_t>(buffer.data_ptr());
+  const uintptr_t lo = (base + start + page - 1) / page * page;
+  const uintptr_t hi = (base + end) / page * page;
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvzch, m) {
   m.def("empty_mapped(int nbytes) -> Tensor", &empty_mapped);
+  m.def("release_pages(Tensor(a!) buffer, int start, int end) -> ()", &release_pages);
   m.def("probe(Tensor table_keys, Tensor ids) -> Tensor");
   m.def("lookup(Tensor table_keys, Tensor table_slots, Tensor ids) -> Tensor");
   m.def(

@@ -53,7 +53,13 @@ def test_train_checkpoint_resume_on_fewer_ranks_continues_exactly(tmp_path):
     # ... predicts exactly what the saved model predicted: rows, optimizer state, dense weights.
     assert second["probe_after_resume"] == first["probe_final"]
     # ... and trains on as an uninterrupted 2-rank run does (same data, same state).
-    _, straight = train(tmp_path / "straight", "--steps", 12, "--checkpoint-every", 0)
+    done, straight = train(tmp_path / "straight", "--steps", 12, "--checkpoint-every", 0)
+    # The stores' counters, per table over all ranks, in the metrics and on the progress bar.
+    last = metrics(tmp_path / "straight")[-1]
+    for table in ("user", "item"):
+        assert last["inserted"][table] == last["live_rows"][table] > 0  # nothing evicted here
+        assert last["evicted"][table] == 0 and last["bytes"][table] > 0
+    assert f"ins={sum(last['inserted'].values()):,}" in done.stderr and "evict=0" in done.stderr
     resumed_curve = {m["step"]: m["loss"] for m in metrics(tmp_path / "run")}
     straight_curve = {m["step"]: m["loss"] for m in metrics(tmp_path / "straight")}
     assert resumed_curve.keys() == straight_curve.keys() == {2, 4, 6, 8, 10, 12}

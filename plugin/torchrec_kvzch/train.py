@@ -255,7 +255,7 @@ class Trainer:
             self.summary["checkpoints"][-1]["blocking_s"] += time.perf_counter() - t0
 
     def log(self) -> None:
-        """Loss and throughput of the window since the last log, and live rows, over all ranks."""
+        """Loss and throughput of the window since the last log, and the stores' counters, over all ranks."""
         loss_sum, examples, t0 = self.window
         tables = [name for name, _ in kvzch_tables(self.model)]
         counters = store_counters(self.model)

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from _common import fixed_mmap_threshold, print_targets, zipf_ranks
 from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, RankBudget, SharedBudget
 from torchrec_kvzch.kernel import KVZCHTableKernel
+from torchrec_kvzch.store.eviction import budget_bytes
 
 
 def plot(trace: list[dict], tables: list[str], budget: int, path: Path) -> None:
@@ -106,7 +107,7 @@ def main() -> None:
         rss = process.memory_info().rss
         peak = max(peak, rss)
         trace.append({"step": step, "rss_growth": rss - baseline,
-                      "counted_bytes": sum(SharedBudget.bytes_of(k.store, len(k.store)) for k in kernels),
+                      "counted_bytes": sum(budget_bytes(k.store, len(k.store)) for k in kernels),
                       "tables": {p.name: k.store.counters for p, k in zip(params, kernels)}})
     out = {"scope": args.scope, "budget_bytes": budget, "baseline_rss": baseline, "peak_rss": peak,
            "peak_rss_over_budget_ratio": (peak - baseline) / budget,

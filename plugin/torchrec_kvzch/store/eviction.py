@@ -43,6 +43,12 @@ _COUNT_MASK = (1 << 31) - 1
 SCRATCH_BYTES_PER_ROW = 1 + 1 + 8 + 8
 
 
+def budget_bytes(store, rows: int) -> int:
+    """What ``rows`` rows of ``store`` count against a byte budget, a table's or a rank's: the
+    store's upper bound with its arrays reserved (``RowStore.estimated_bytes``)."""
+    return store.estimated_bytes(store.layout, rows, reserved=True)
+
+
 def budget_rows(policy: EvictionPolicy | RankBudget, bytes_for_rows) -> int | None:
     """The row budget of a policy: ``max_rows``, and/or the most rows whose memory
     (``bytes_for_rows(rows)``, the store's upper bound) fits ``max_bytes``."""
@@ -124,7 +130,7 @@ class Evictor:
         self.store = store
         self.policy = store.params.eviction
         self.kind = EvictionKind(self.policy.kind)
-        self.max_rows = budget_rows(self.policy, lambda rows: store.estimated_bytes(store.layout, rows, reserved=True))
+        self.max_rows = budget_rows(self.policy, lambda rows: budget_bytes(store, rows))
         self.shared: SharedBudget | None = None  # set by SharedBudget.attach
         self.evicted = 0
         self._pass_due = False
@@ -202,7 +208,7 @@ class SharedBudget:
         if store.device.type == "cpu":  # at most the machine's memory: a larger mapping may be refused
             physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             most = dataclasses.replace(self.budget, max_bytes=min(self.budget.max_bytes or physical, physical))
-            store.reserve(budget_rows(most, lambda rows: self.bytes_of(store, rows)), id_map=False)
+            store.reserve(budget_rows(most, lambda rows: budget_bytes(store, rows)), id_map=False)
 
     @property
     def stores(self) -> list:
@@ -211,15 +217,10 @@ class SharedBudget:
         self._stores = [ref for ref, store in alive if store is not None]
         return [store for _, store in alive if store is not None]
 
-    @staticmethod
-    def bytes_of(store, rows: int) -> int:
-        """What ``rows`` rows of ``store`` count against a byte budget (as for a table's)."""
-        return store.estimated_bytes(store.layout, rows, reserved=True)
-
     def usage(self) -> dict[str, int]:
         """Rows and counted bytes over all stores under the budget."""
         stores = self.stores
-        return {"rows": sum(len(s) for s in stores), "bytes": sum(self.bytes_of(s, len(s)) for s in stores)}
+        return {"rows": sum(len(s) for s in stores), "bytes": sum(budget_bytes(s, len(s)) for s in stores)}
 
     def make_room(self, store, ids: torch.Tensor) -> int:
         """Evict from the stores under the budget so that the new rows of ``ids`` in ``store``
@@ -239,7 +240,7 @@ class SharedBudget:
             if budget.max_rows is not None:
                 used.append((sum(rows), budget.max_rows))
             if budget.max_bytes is not None:
-                used.append((sum(map(self.bytes_of, stores, rows)), budget.max_bytes))
+                used.append((sum(map(budget_bytes, stores, rows)), budget.max_bytes))
             return any(total > limit - (limit // 64 if slack else 0) for total, limit in used)
 
         if not over([0] * len(stores), slack=False):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -73,3 +75,71 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
     if errors:
         raise AssertionError("\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def _serve(rank, world_size, port, inbox, results):
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: where a hung rank waits
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        while (task := inbox.get()) is not None:
+            try:
+                fn, args = pickle.loads(task)
+                results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+            except BaseException:  # noqa: BLE001 - reported to the parent
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` gloo ranks kept alive across calls, so that many cases share one start
+    (imports and process-group set-up cost seconds per process): ``run(fn, *args)`` runs
+    ``fn(rank, world_size, *args)`` on every rank and returns the results by rank. A rank
+    that fails while the others wait in a collective hangs the pool: the call then times out
+    and the pool is closed."""
+
+    def __init__(self, world_size: int, timeout: float = 300.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size, self.timeout = world_size, timeout
+        self._results = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self._procs = [ctx.Process(target=_serve, args=(r, world_size, port, self._inboxes[r], self._results))
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args) -> list:
+        task = pickle.dumps((fn, args))
+        for inbox in self._inboxes:
+            inbox.put(task)
+        out, errors, deadline = {}, [], time.monotonic() + self.timeout
+        while len(out) + len(errors) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=0.5)
+            except queue.Empty:
+                if errors:  # the others may wait for the failed rank in a collective
+                    deadline = min(deadline, failed_at + 20)
+                if any(p.exitcode is not None for p in self._procs) or time.monotonic() > deadline:
+                    self.close()
+                    raise AssertionError(f"rank pool of {self.world_size} died or timed out after "
+                                         f"{self.timeout}s; results so far: {sorted(out)}, errors: {errors}")
+                continue
+            if ok:
+                out[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                failed_at = time.monotonic()
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()

@@ -224,7 +224,7 @@ def load_mismatched(rank, world_size, path, dims):
 
 
 @pytest.mark.parametrize("dims, fragment", [
-    ((("user", 8), ("item", 16)), "KV-ZCH table 'item' was saved with rows of [20] torch.float32, this model has [24]"),
+    ((("user", 8), ("item", 16)), "KV-ZCH table 'item' was saved with embedding_dim 12 (fp32), this model has 16 (fp32)"),
     ((("user", 8), ("item", 12), ("extra", 4)), "has no rows for KV-ZCH table 'extra'"),
 ])
 def test_mismatched_checkpoint_is_refused_before_any_row_changes(tmp_path, dims, fragment):

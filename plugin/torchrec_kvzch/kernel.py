@@ -101,8 +101,9 @@ class KVZCHTableKernel(nn.Module):
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        training = torch.is_grad_enabled()
-        if training and self._backward_pending:
+        if not (self.training and torch.is_grad_enabled()):
+            return self._evaluate(ids, offsets, per_sample_weights)
+        if self._backward_pending:
             self._refuse_growth(ids.numel())
         self.store.clock += 1
         if not self._backward_pending:  # deletes move rows: never under a pending update
@@ -110,13 +111,29 @@ class KVZCHTableKernel(nn.Module):
         slots = self.store.find_or_insert(ids)
         self._bind()
         out = self.tbe(slots, offsets.long(), per_sample_weights)
-        if training and out.requires_grad:
+        if out.requires_grad:
             self._backward_pending = True
             # The backward will write these rows: a snapshot frozen before then copies them.
             # (The last forward's only: outputs dropped without a backward must not pile up.)
             self.store.in_flight = slots
             out.register_hook(self._on_backward)
         return out
+
+    def _evaluate(self, ids, offsets, per_sample_weights) -> torch.Tensor:
+        """An evaluation lookup (``torch.no_grad()`` or ``model.eval()``) changes nothing: no
+        rows are created, evicted or touched and the clock stays, so evaluating between
+        training steps leaves training (and a resumed run) exactly as without it. An unseen id
+        reads as the id-seeded weights its row would start with. The same TBE pools the rows,
+        bound for this call to just the batch's distinct rows, so outputs match training's."""
+        unique, slots = torch.unique(ids, return_inverse=True)
+        rows = self.store.peek(unique)
+        if not rows.shape[0]:  # fbgemm takes empty CPU weights for device ones: one unused row
+            rows = rows.new_zeros(1, rows.shape[1])
+        self._set_tensor(f"weights_{self._suffix}", rows.view(-1))
+        self._set_geometry(rows.shape[0])
+        self._bound = None  # the next training forward binds the store again
+        with torch.no_grad():
+            return self.tbe(slots, offsets.long(), per_sample_weights)
 
     def _on_backward(self, grad: torch.Tensor) -> None:
         # Runs as the output's gradient arrives, i.e. just before fbgemm's fused update.
@@ -137,17 +154,19 @@ class KVZCHTableKernel(nn.Module):
         store = self.store
         if self._bound is store.weights:
             return
-        rows = store.capacity
         self._set_tensor(f"weights_{self._suffix}", store.weights.view(-1))
         if store.optimizer.shape[1]:
             self._set_tensor(f"momentum1_{self._suffix}", store.optimizer.view(-1))
+        self._set_geometry(store.capacity)
+        self._bound = store.weights
+
+    def _set_geometry(self, rows: int) -> None:
         # Per-feature hash offsets (one table: all 0) and the total, used to sort in backward.
         self.tbe.hash_size_cumsum = torch.tensor(
             [0] * self.num_features + [rows], dtype=torch.long, device=self.device
         )
         self.tbe.total_hash_size_bits = int(math.log2(rows) + 1)
         self.tbe.rows_per_table = torch.tensor([rows], dtype=torch.long, device=self.device)
-        self._bound = store.weights
 
     def _set_tensor(self, name: str, tensor: torch.Tensor) -> None:
         current = getattr(self.tbe, name)

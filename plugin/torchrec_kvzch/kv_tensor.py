@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from torchrec_kvzch.store.layout import RowPart
+from torchrec_kvzch.store.layout import RowLayout, RowPart
 from torchrec_kvzch.store.row_store import RowStore
 from torchrec_kvzch.store.snapshot import RowSnapshot
 
@@ -127,6 +127,36 @@ class KVTensor:
             self.store.write_rows(weights)
         else:
             self.store.write_ids(ids, weights, self.part)
+
+    # -- loading checkpoints ------------------------------------------------------------------
+    def load(self, values: torch.Tensor, ids: torch.Tensor | None = None,
+             layout: RowLayout | None = None, optimizer: bool = True) -> int:
+        """Write rows loaded from a checkpoint into the store, keeping those of this shard's
+        buckets (a checkpoint's rows come from every saved shard) - the one way loaded rows
+        enter a store. Whole rows go by their header ids (``layout``: theirs, when saved with
+        another optimizer; ``optimizer=False``: weights and headers only; see
+        ``RowStore.write_rows``), other parts by ``ids``. Ids outside the table are refused
+        before anything is written. Returns the rows written. Ignores ``read_only``: this is
+        how a load fills the rows such views stand for."""
+        if self.part is RowPart.ROW:
+            ids = (layout or self.store.layout).unpack(values)[0]
+        elif ids is None:
+            raise ValueError(f"{self}: loading {self.part.value} values needs their ids")
+        ids = ids.reshape(-1)
+        table = self.store.params
+        if ids.numel() and (int(ids.max()) >= table.num_embeddings or int(ids.min()) < 0):
+            bad = ids[(ids < 0) | (ids >= table.num_embeddings)][0]
+            raise ValueError(f"KV-ZCH table '{table.name}': the checkpoint holds id {int(bad)}, "
+                             f"outside this table's [0, {table.num_embeddings}); load it into a "
+                             "table whose num_embeddings holds every saved id")
+        r = self.store.bucket_range
+        mine = (ids >= r.id_start) & (ids < r.id_end)
+        if not bool(mine.all()):
+            values, ids = values[mine], ids[mine]
+        if self.part is RowPart.ROW:
+            return self.store.write_rows(values, layout, optimizer)
+        self.store.write_ids(ids, values, self.part)
+        return ids.numel()
 
     # -- internals ----------------------------------------------------------------------------
     def _skip_write(self, what: str) -> bool:

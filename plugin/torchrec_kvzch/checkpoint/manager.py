@@ -108,9 +108,11 @@ class CheckpointManager:
                 shutil.rmtree(self.path(old), ignore_errors=True)
 
     # -- loading ------------------------------------------------------------------------------
-    def load(self, state: dict, step: int | None = None) -> int | None:
+    def load(self, state: dict, step: int | None = None, *, verify: bool = True,
+             load_optimizer: bool = True) -> int | None:
         """Load the checkpoint of ``step`` (default: the latest complete one) into ``state`` in
-        place; returns the step loaded, or None when there is none. Collective."""
+        place; returns the step loaded, or None when there is none. Collective. ``verify`` and
+        ``load_optimizer``: see ``KVZCHLoadPlanner``."""
         step = self.latest() if step is None else step
         if step is None:
             return None
@@ -118,7 +120,8 @@ class CheckpointManager:
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); "
                                     f"complete ones under {self.root}: {self.steps()}")
-        dcp.load(state, checkpoint_id=path, planner=KVZCHLoadPlanner(checkpoint_id=path),
+        planner = KVZCHLoadPlanner(checkpoint_id=path, verify=verify, load_optimizer=load_optimizer)
+        dcp.load(state, checkpoint_id=path, planner=planner,
                  process_group=self.process_group)
         return step
 

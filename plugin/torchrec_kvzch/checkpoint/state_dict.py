@@ -5,7 +5,13 @@ Per table (``{prefix}{table}.`` below), built over one snapshot of the shard's b
 * ``weight``: whole rows ``[n, header + pad4(D) + pad4(opt)]`` when ``backend_return_whole_row``,
   else weights ``[n, D]``;
 * ``weight_id``: the rows' global ids ``[n, 1]`` (read-only);
-* ``bucket``: rows per bucket ``[total_num_buckets, 1]``, each rank holding its buckets.
+* ``metaheader`` (without whole rows only): the header word after the id ``[n, 1]`` int64
+  (timestamp, access count, used bit), which eviction decides by;
+* ``bucket``: rows per bucket ``[total_num_buckets, 1]``, each rank holding its buckets;
+* ``counters``: rows ever inserted and evicted per bucket ``[total_num_buckets, 2]``, sharded
+  the same way, so they follow the rows to any world size;
+* ``clock``: the store's clock ``[1]`` (training steps seen; the same on every rank), which the
+  rows' header timestamps count in: eviction after a resume decides as it would have without.
 
 ``weight`` and ``weight_id`` are ShardedTensors whose local shards are ``KVTensor`` chunks of
 ``checkpoint_chunk_rows`` rows inside fbgemm's ``PartiallyMaterializedTensor``: nothing is
@@ -33,6 +39,10 @@ from torchrec_kvzch.store.layout import RowPart
 from torchrec_kvzch.store.snapshot import RowSnapshot
 
 
+# {prefix}{table}.<entry>; metaheader only without backend_return_whole_row
+TABLE_ENTRIES = ("weight", "weight_id", "metaheader", "bucket", "counters", "clock")
+
+
 @dataclass(frozen=True)
 class TableSnapshot:
     """One table shard's rows at a moment, which every entry of one state dict is built from
@@ -41,10 +51,14 @@ class TableSnapshot:
     name: str
     kernel: KVZCHTableKernel
     rows: RowSnapshot
+    clock: int
+    counters: torch.Tensor  # [local buckets, 2]: inserted, evicted
 
     @classmethod
     def take(cls, name: str, kernel: KVZCHTableKernel) -> "TableSnapshot":
-        return cls(name, kernel, kernel.store.snapshot())
+        store = kernel.store
+        counters = torch.stack([store.inserted_per_bucket, store.evicted_per_bucket], dim=1)
+        return cls(name, kernel, store.snapshot(), store.clock, counters)
 
     def view(self, part: RowPart, read_only: bool = False) -> KVTensor:
         return KVTensor(self.store, part, read_only=read_only, snapshot=self.rows)
@@ -84,7 +98,11 @@ def table_entries(tables: Iterator[tuple[str, KVZCHTableKernel]], prefix: str,
         counts = rows[snap.name]
         out[f"{prefix}{snap.name}.weight"] = rows_sharded_tensor(snap.view(part), counts, pg)
         out[f"{prefix}{snap.name}.weight_id"] = rows_sharded_tensor(snap.view(RowPart.ID), counts, pg)
-        out[f"{prefix}{snap.name}.bucket"] = bucket_sharded_tensor(snap, pg)
+        if part is RowPart.WEIGHT:  # whole rows hold the header word; else it goes apart
+            out[f"{prefix}{snap.name}.metaheader"] = rows_sharded_tensor(snap.view(RowPart.META), counts, pg)
+        out[f"{prefix}{snap.name}.bucket"] = bucket_sharded_tensor(snap, snap.bucket_counts().unsqueeze(1), pg)
+        out[f"{prefix}{snap.name}.counters"] = bucket_sharded_tensor(snap, snap.counters, pg)
+        out[f"{prefix}{snap.name}.clock"] = torch.tensor([snap.clock])
         optimizer[snap.name] = {} if not snap.store.layout.optimizer_floats else {
             f"{snap.name}.momentum1": rows_sharded_tensor(
                 snap.view(RowPart.OPTIMIZER, read_only=params.backend_return_whole_row), counts, pg)}
@@ -130,40 +148,49 @@ def rows_sharded_tensor(view: KVTensor, rows_per_rank: list[int], pg) -> Sharded
                                      TensorProperties(dtype=view.dtype)), process_group=pg)
 
 
-def bucket_sharded_tensor(snap: TableSnapshot, pg) -> ShardedTensor:
-    """Rows per bucket, sharded over the bucket space like the table itself."""
+def bucket_sharded_tensor(snap: TableSnapshot, values: torch.Tensor, pg) -> ShardedTensor:
+    """Per-bucket ``values`` ``[local buckets, k]``, sharded over the bucket space like the table."""
     params, world = snap.store.params, dist.get_world_size(pg) if dist.is_initialized() else 1
     rank = dist.get_rank(pg) if dist.is_initialized() else 0
+    width = values.shape[1]
     shards = []
     for r in range(world):
         b = params.bucket_range(r, world)
-        shards.append(ShardMetadata([b.start, 0], [b.num_buckets, 1], f"rank:{r}/{snap.store.device.type}"))
-    counts = snap.bucket_counts().unsqueeze(1)
+        shards.append(ShardMetadata([b.start, 0], [b.num_buckets, width], f"rank:{r}/{snap.store.device.type}"))
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        [Shard(counts, shards[rank])],
-        ShardedTensorMetadata(shards, torch.Size([params.total_num_buckets, 1]),
+        [Shard(values, shards[rank])],
+        ShardedTensorMetadata(shards, torch.Size([params.total_num_buckets, width]),
                               TensorProperties(dtype=torch.long)),
         process_group=pg)
 
 
-def load_rows(store, weight, weight_id=None) -> None:
-    """Replace a store's rows with materialised ones: whole rows (by their header ids) or
-    weights with their ids. Rows of other shards' buckets are skipped."""
-    rows = _local_rows(weight)
+def load_materialised(view: KVTensor, entries: dict) -> None:
+    """Replace the rows and history of ``view``'s store with materialised entries of one table
+    (``weight``, ``weight_id`` unless rows are whole, ``clock``, ``counters``), e.g. a state
+    dict written with ``torch.save`` and read back at the same world size."""
+    store = view.store
+    name, r = store.params.name, store.bucket_range
+    needed = ("weight", "clock", "counters") + (() if view.part is RowPart.ROW else ("weight_id", "metaheader"))
+    missing = [k for k in needed if k not in entries]
+    if missing:
+        raise ValueError(f"KV-ZCH table '{name}': the state dict lacks its {missing} entries; "
+                         "load a whole state dict of this table")
+    counters = entries["counters"]
+    local = counters.local_shards() if isinstance(counters, ShardedTensor) else []
+    if len(local) != 1 or local[0].metadata.shard_offsets[0] != r.start \
+            or local[0].tensor.shape[0] != r.num_buckets:
+        raise ValueError(f"KV-ZCH table '{name}': the counters entry does not hold this rank's "
+                         f"buckets [{r.start}, {r.end}); load through DCP (KVZCHLoadPlanner), "
+                         "which loads at any world size")
+    by_bucket = torch.zeros(store.params.total_num_buckets, 2, dtype=torch.long)
+    by_bucket[r.start : r.end] = local[0].tensor
+    rows = _local_rows(entries["weight"])
+    ids = None if view.part is RowPart.ROW else _local_rows(entries["weight_id"])
     store.clear()
-    if store.params.backend_return_whole_row:
-        keys = store.layout.unpack(rows)[0]
-    else:
-        if weight_id is None:
-            raise ValueError(f"table '{store.params.name}': weights without backend_return_whole_row "
-                             "need their 'weight_id' entry to be loaded")
-        keys = _local_rows(weight_id).reshape(-1)
-    r = store.bucket_range
-    mine = (keys >= r.id_start) & (keys < r.id_end)
-    if store.params.backend_return_whole_row:
-        store.write_rows(rows[mine])
-    else:
-        store.write_ids(keys[mine], rows[mine], RowPart.WEIGHT)
+    view.load(rows, ids)
+    if ids is not None:
+        KVTensor(store, RowPart.META, ids=ids.reshape(-1)).load(_local_rows(entries["metaheader"]), ids)
+    store.restore_history(int(entries["clock"][0]), by_bucket, store.params.bucket_size)
 
 
 def _local_rows(entry) -> torch.Tensor:

@@ -11,8 +11,10 @@ sharders also offer ROW_WISE on CPU, where TorchRec's stock sharders offer it on
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
+import torch
 from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from torchrec.distributed.embedding_lookup import (
     GroupedEmbeddingsLookup,
@@ -27,17 +29,25 @@ from torchrec.distributed.embeddingbag import (
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingType
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 
-from torchrec_kvzch.checkpoint.state_dict import kv_view, load_rows, table_entries
+from torchrec_kvzch.checkpoint.state_dict import TABLE_ENTRIES, kv_view, load_materialised, table_entries
+from torchrec_kvzch.kv_tensor import KVTensor
 from torchrec_kvzch.params import KVZCHTableParams, RankBudget
 from torchrec_kvzch.sharding.kernels import FUSED_PARAMS_KEY, KVZCHEmbeddingKernel
 from torchrec_kvzch.sharding.tables import kvzch_kernels, kvzch_tables
 from torchrec_kvzch.sharding.validation import BatchChecker
 from torchrec_kvzch.store.eviction import SharedBudget
+from torchrec_kvzch.store.layout import RowPart
 
 KVZCH_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 ROW_WISE = ShardingType.ROW_WISE.value
+# Shardings whose kernels pool MEAN as SUM (``pooling_type_to_pooling_mode``; grid shards look
+# up as table-row-wise): the EBC divides their MEAN outputs after the output dist.
+SUM_POOLED_MEAN = {ROW_WISE, ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value}
 
 
 @dataclasses.dataclass
@@ -131,6 +141,68 @@ class KVZCHShardedEmbeddingBagCollection(_KVZCHModuleMixin, ShardedEmbeddingBagC
     _configs_attr = "_embedding_bag_configs"
     _tables_prefix = "embedding_bags."
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        configs = self._embedding_bag_configs
+        sharding = {c.name: self.module_sharding_plan[c.name].sharding_type for c in configs}
+        # output key -> the feature whose bag lengths divide it (see input_dist)
+        self._mean_divided: dict[str, str] = {
+            name: feature
+            for config, names in zip(configs, get_embedding_names_by_table(configs))
+            if config.pooling == PoolingType.MEAN and sharding[config.name] in SUM_POOLED_MEAN
+            for name, feature in zip(names, config.feature_names)}
+        self._has_mean_pooling_callback = bool(self._mean_divided)
+        # fbgemm's CPU MEAN kernels ("MEAN pooling will not work with indice_weights") divide
+        # a weighted bag by L in the forward but not in the gradient: no divisor can fix that.
+        if self._is_weighted and getattr(self._device, "type", "cpu") == "cpu":
+            for config in configs:
+                if (config.pooling == PoolingType.MEAN
+                        and sharding[config.name] not in SUM_POOLED_MEAN):
+                    raise ValueError(
+                        f"table '{config.name}': MEAN pooling with per-sample weights is wrong "
+                        f"under {sharding[config.name]} sharding on CPU (fbgemm's CPU MEAN kernel "
+                        "leaves the 1/L out of the gradient); shard it row-wise, where it is "
+                        "pooled as SUM and divided after the reduce-scatter, or pool SUM")
+
+    def input_dist(self, ctx, features, *args, **kwargs):
+        """Replaces the divisor TorchRec's ``input_dist`` leaves in ``ctx``
+        (``_create_mean_pooling_divisor``). Once any row-wise table pools MEAN, TorchRec divides
+        every output by its feature's bag lengths (sums of weights if weighted) except row-wise
+        SUM features: table-wise SUM outputs came back as sum/L, table-wise MEAN ones (pooled
+        MEAN by their own kernel) as sum/L^2, the 1 of a row-wise SUM feature went only to the
+        feature's first output, whichever table that was, and grid MEAN tables (pooled as SUM
+        too) did not count. Ours is per output: the bag length, at least 1 (an empty bag stays
+        0), for MEAN tables of ``SUM_POOLED_MEAN`` shardings, else 1. Weights don't enter it: a
+        weighted MEAN is sum(w * row) / L, as fbgemm pools it under the other shardings.
+        Variable batch sizes are expanded by the inverse indices, as TorchRec does. What no
+        divisor fixes, weighted MEAN on fbgemm's CPU MEAN kernels, ``__init__`` refuses."""
+        if not self._has_mean_pooling_callback:
+            return super().input_dist(ctx, features, *args, **kwargs)
+        features = maybe_td_to_kjt(features)
+        awaitable = super().input_dist(ctx, features, *args, **kwargs)
+        ctx.divisor = self._mean_divisor(features)
+        return awaitable
+
+    def _mean_divisor(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """[batch, output columns], laid out as TorchRec's pooled output."""
+        lengths = features.lengths()
+        position = {key: i for i, key in enumerate(features.keys())}
+        divided = set(self._mean_divided.values())
+        if features.variable_stride_per_key():
+            inverse_keys, inverse = features.inverse_indices()
+            starts = list(itertools.accumulate(features.stride_per_key(), initial=0))
+            bags = {f: lengths[starts[position[f]] + inverse[inverse_keys.index(f)]]
+                    for f in divided}
+        else:
+            per_key = lengths.reshape(len(position), features.stride())
+            bags = {f: per_key[position[f]] for f in divided}
+        one = lengths.new_ones(())
+        rows = [bags[self._mean_divided[name]] if name in self._mean_divided else one
+                for name in self._embedding_names]
+        divisor = torch.stack(torch.broadcast_tensors(*rows), dim=1).clamp_min(1).to(torch.float32)
+        return divisor.repeat_interleave(self._dim_per_key, dim=1,
+                                         output_size=sum(self._embedding_dims))
+
     @classmethod
     def create_embedding_bag_sharding(cls, sharding_infos, env, device=None,
                                       permute_embeddings=False, qcomm_codecs_registry=None):
@@ -176,11 +248,11 @@ def _take_kvzch_entries(module, state_dict, prefix, *args) -> None:
     loaded = False
     for name, kernel in kvzch_tables(module):
         base = f"{prefix}{module._tables_prefix}{name}."
-        entries = {k: state_dict.pop(base + k) for k in ("weight", "weight_id", "bucket")
-                   if base + k in state_dict}
+        entries = {k: state_dict.pop(base + k) for k in TABLE_ENTRIES if base + k in state_dict}
         view = kv_view(entries.get("weight"))
         if "weight" in entries and (view is None or view.store is not kernel.store):
-            load_rows(kernel.store, entries["weight"], entries.get("weight_id"))
+            part = RowPart.ROW if kernel.params.backend_return_whole_row else RowPart.WEIGHT
+            load_materialised(KVTensor(kernel.store, part), entries)
             loaded = True
     if loaded:
         _add_kvzch_entries(module, {}, prefix, None)

@@ -18,10 +18,10 @@ one moment no fused update is pending (a delete moves rows between slots). Three
   forward, which finds the rank still past the budget and evicts them then.
 
 Rows of the batch being looked up are never evicted for it; if they alone exceed a budget the
-shard (or rank) goes past it by at most that batch. A pass that would rewrite every header
-(``lfu`` decay) or scan them all waits while a checkpoint snapshot is frozen (the rewrite would
-make it copy the table), and runs at the first forward after the snapshot is released. Budget
-evictions do not wait: they copy only the rows they remove.
+shard (or rank) goes past it by at most that batch. Every decision depends on the rows and the
+clock only, never on whether a checkpoint is being written: a frozen snapshot copies the rows
+an eviction removes, and ``lfu`` decay, which rewrites every header, first has it keep the
+header words (8 bytes a row, once per freeze), not whole rows.
 """
 
 from __future__ import annotations
@@ -132,8 +132,6 @@ class Evictor:
         self.kind = EvictionKind(self.policy.kind)
         self.max_rows = budget_rows(self.policy, lambda rows: budget_bytes(store, rows))
         self.shared: SharedBudget | None = None  # set by SharedBudget.attach
-        self.evicted = 0
-        self._pass_due = False
 
     def before_insert(self, ids: torch.Tensor) -> int:
         """Run a due pass, then make room for the batch ``ids`` under the table's budget and the
@@ -147,8 +145,9 @@ class Evictor:
         """Evict the rows of the mask ``doomed`` (one entry per live slot)."""
         victims = torch.nonzero(doomed).view(-1)
         if victims.numel():
-            self.store.delete(self.store.map.keys()[victims])
-            self.evicted += victims.numel()
+            ids = self.store.map.keys()[victims]
+            self.store.delete(ids)
+            self.store.count(self.store.evicted_per_bucket, ids)
         return victims.numel()
 
     def _own_policy(self, ids: torch.Tensor) -> int:
@@ -158,9 +157,6 @@ class Evictor:
         protected = _batch_rows(store, present)
         doomed = torch.zeros_like(protected)
         if self.kind in (EvictionKind.TTL, EvictionKind.LFU) and store.clock % self.policy.interval_steps == 0:
-            self._pass_due = True
-        if self._pass_due and not store._frozen:
-            self._pass_due = False
             doomed |= self._expired() & ~protected
         if self.max_rows is not None:
             new = _new_rows(ids, present)
@@ -182,6 +178,7 @@ class Evictor:
             return store.clock - meta_timestamp(meta) > self.policy.ttl_steps
         if self.policy.count_decay < 1.0:
             count = (meta_count(meta).double() * self.policy.count_decay).floor().long()
+            store.before_header_rewrite()
             meta.copy_((meta & ~(_COUNT_MASK << _COUNT_SHIFT)) | (count << _COUNT_SHIFT))
         return meta_count(meta) < self.policy.count_threshold
 

@@ -33,6 +33,7 @@ class RowPart(str, enum.Enum):
     OPTIMIZER = "optimizer"
     ROW = "row"  # the whole row, header included
     ID = "id"  # the row's global id (the header key), as one int64 column; read-only
+    META = "meta"  # the header's second word (timestamp, count, used), as one int64 column
 
 
 def pad4(n: int) -> int:
@@ -108,15 +109,16 @@ class RowLayout:
     def width(self, part: RowPart) -> int:
         """Columns of a part as the store returns it (weights unpadded, optimizer in fp32)."""
         return {RowPart.WEIGHT: self.embedding_dim, RowPart.OPTIMIZER: self.optimizer_floats,
-                RowPart.ROW: self.row_width, RowPart.ID: 1}[RowPart(part)]
+                RowPart.ROW: self.row_width, RowPart.ID: 1, RowPart.META: 1}[RowPart(part)]
 
     def width_offset(self, part: RowPart) -> int:
         """Column where a part starts inside the whole row."""
         return {RowPart.WEIGHT: self.header_width, RowPart.OPTIMIZER: self.optimizer_offset,
-                RowPart.ROW: 0, RowPart.ID: 0}[RowPart(part)]
+                RowPart.ROW: 0, RowPart.ID: 0, RowPart.META: self.header_width // 2}[RowPart(part)]
 
     def part_dtype(self, part: RowPart) -> torch.dtype:
-        return {RowPart.OPTIMIZER: torch.float32, RowPart.ID: torch.long}.get(RowPart(part), self.dtype)
+        return {RowPart.OPTIMIZER: torch.float32, RowPart.ID: torch.long,
+                RowPart.META: torch.long}.get(RowPart(part), self.dtype)
 
     def pack(self, keys: torch.Tensor, meta: torch.Tensor, weights: torch.Tensor,
              optimizer: torch.Tensor) -> torch.Tensor:

@@ -97,12 +97,15 @@ class RowStore:
         self.device = torch.device(device)
         self.map = IdMap(backend, self.device)
         self._native = self.map.kernels.name == "native"  # same choice for init and touch
-        self.clock = 0  # stamped into the header of rows touched by find_or_insert
+        self.clock = 0  # training steps seen; stamped into the headers find_or_insert touches
         self.epoch = 0  # bumped whenever rows change slots (delete, clear): snapshots check it
         self.lock = threading.RLock()
         self.in_flight: torch.Tensor | None = None  # slots the pending fused update will write
         self._frozen: tuple = ()  # copy-on-write states of frozen snapshots (see snapshot.py)
-        self.inserted = 0  # rows ever created (evictions: self.evictor.evicted)
+        # Rows ever created by lookups and evicted, per local bucket: checkpoints carry them by
+        # bucket, so they follow the rows to any world size.
+        self.inserted_per_bucket = torch.zeros(self.bucket_range.num_buckets, dtype=torch.long)
+        self.evicted_per_bucket = torch.zeros_like(self.inserted_per_bucket)
         self._reserved = 0  # capacity reserved up front: deletes never shrink below it
         self._alloc(_MIN_ROWS)
         self.evictor = Evictor(self)
@@ -137,11 +140,26 @@ class RowStore:
         return self.optimizer[: len(self)]
 
     @property
+    def inserted(self) -> int:
+        return int(self.inserted_per_bucket.sum())
+
+    @property
+    def evicted(self) -> int:
+        return int(self.evicted_per_bucket.sum())
+
+    @property
     def counters(self) -> dict[str, int]:
         """What the progress bar and benchmarks show: live rows, rows ever inserted and
         evicted, bytes held."""
-        return {"rows": len(self), "inserted": self.inserted, "evicted": self.evictor.evicted,
+        return {"rows": len(self), "inserted": self.inserted, "evicted": self.evicted,
                 "bytes": self.nbytes}
+
+    def count(self, per_bucket: torch.Tensor, ids: torch.Tensor) -> None:
+        """Add one to ``per_bucket`` (a counter above) for each of ``ids``."""
+        if ids.numel():
+            r = self.bucket_range
+            local = torch.div(ids.cpu(), r.size, rounding_mode="floor") - r.start
+            per_bucket.index_add_(0, local, torch.ones_like(local))
 
     @staticmethod
     def estimated_bytes(layout: RowLayout, rows: int, reserved: bool = False) -> int:
@@ -164,14 +182,16 @@ class RowStore:
 
     def find_or_insert(self, ids: torch.Tensor, touch: bool = True) -> torch.Tensor:
         """Slots of ids; absent ids get new rows (id-seeded weights, zero optimizer state,
-        header written). With ``touch`` the rows' timestamps become ``clock`` and their
-        counts grow by the number of occurrences."""
+        header written). With ``touch`` (a lookup) the rows' timestamps become ``clock``, their
+        counts grow by the number of occurrences, and new rows count as inserted; without it
+        (writes, loads) rows change nothing else."""
         ids = self._check_ids(ids)
         old = len(self)
         slots = self.map.find_or_insert(ids)
         if len(self) > old:
             self._init_rows(old, len(self))
-            self.inserted += len(self) - old
+            if touch:
+                self.count(self.inserted_per_bucket, self.map.slot_keys[old:len(self)])
         if touch and slots.numel():
             self._before_change(slots)
             touch_meta(self.meta, slots, self.clock, self._native)
@@ -208,6 +228,8 @@ class RowStore:
             return a.weights[slots]
         if part is RowPart.OPTIMIZER:
             return a.optimizer[slots]
+        if part is RowPart.META:
+            return a.meta[slots].unsqueeze(1)
         keys = self.map.slot_keys[slots] if keys is None else keys
         if part is RowPart.ID:
             return keys.unsqueeze(1)
@@ -236,6 +258,21 @@ class RowStore:
             header = out[:, : self.layout.header_width]
             keys_meta = torch.stack([ids[missing], torch.zeros_like(ids[missing])], dim=1)
             header[missing] = keys_meta.view(self.layout.dtype)
+        return out
+
+    def peek(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weights of ids changing nothing: a live row's weights, else the id-seeded weights
+        the row would start with (what evaluation looks up)."""
+        ids = self._check_ids(ids)
+        slots = self.find(ids)
+        out = self.weights[slots.clamp(min=0)]
+        missing = torch.nonzero(slots < 0).view(-1)
+        if missing.numel():
+            fresh = out.new_empty(missing.numel(), out.shape[1])
+            low, high = self.params.init_range
+            fill_uniform_by_id(fresh, ids[missing], low, high, self.params.init_seed,
+                               native=self._native)
+            out[missing] = fresh
         return out
 
     def sorted_ids(self) -> torch.Tensor:
@@ -276,6 +313,8 @@ class RowStore:
             self.weights[slots] = values
         elif part is RowPart.OPTIMIZER:
             self.optimizer[slots] = values
+        elif part is RowPart.META:
+            self.meta[slots] = values.reshape(-1) | make_meta(0, 0, used=True)
         else:
             _, meta, weights, optimizer = self.layout.unpack(values)
             self.weights[slots] = weights
@@ -300,18 +339,45 @@ class RowStore:
             return
         self.write(self.find_or_insert(ids, touch=False), values, part)
 
-    def write_rows(self, rows: torch.Tensor) -> int:
+    def write_rows(self, rows: torch.Tensor, layout: RowLayout | None = None,
+                   optimizer: bool = True) -> int:
         """Write whole rows by the id in each header, creating rows as needed; rows whose used
-        bit is 0 are skipped. Returns the number of rows written."""
-        rows = self._check_values(rows, rows.shape[0] if rows.dim() else -1, RowPart.ROW)
-        keys, meta, _, _ = self.layout.unpack(rows)
+        bit is 0 are skipped. Returns the number of rows written. ``layout``: the rows' layout
+        when it is not the store's (saved with another optimizer). With another layout, or
+        without ``optimizer``, only weights and headers are written: new rows' optimizer state
+        starts fresh."""
+        if layout is None or layout == self.layout:
+            rows = self._check_values(rows, rows.shape[0] if rows.dim() else -1, RowPart.ROW)
+            layout = self.layout
+        elif (layout.embedding_dim, layout.dtype) != (self.layout.embedding_dim, self.layout.dtype):
+            raise ValueError(f"table '{self.params.name}': rows of {layout.embedding_dim} x "
+                             f"{layout.dtype} cannot become rows of {self.layout.embedding_dim} x "
+                             f"{self.layout.dtype}")
+        keys, meta, weights, _ = layout.unpack(rows)
         used = meta_used(meta)
         if not bool(used.all()):
-            rows, keys = rows[used], keys[used]
+            rows, keys, meta, weights = rows[used], keys[used], meta[used], weights[used]
         if keys.numel() == 0:
             return 0
-        self.write(self.find_or_insert(keys, touch=False), rows, RowPart.ROW)
+        slots = self.find_or_insert(keys, touch=False)
+        if layout is self.layout and optimizer:
+            self.write(slots, rows, RowPart.ROW)
+        else:
+            self.write(slots, weights, RowPart.WEIGHT)
+            self.meta[slots] = meta
         return keys.numel()
+
+    def restore_history(self, clock: int, counters: torch.Tensor, bucket_size: int) -> None:
+        """Set the clock, and the inserted / evicted counters from ``counters`` ``[buckets, 2]``
+        of a table whose buckets held ``bucket_size`` ids each: each saved bucket's counts go to
+        the bucket here that holds its first id (exactly its own when the geometry is the same)."""
+        first = torch.arange(counters.shape[0], dtype=torch.long) * bucket_size
+        r = self.bucket_range
+        mine = (first >= r.id_start) & (first < r.id_end)
+        local = torch.div(first[mine], r.size, rounding_mode="floor") - r.start
+        for column, per_bucket in enumerate((self.inserted_per_bucket, self.evicted_per_bucket)):
+            per_bucket.zero_().index_add_(0, local, counters[mine, column].long())
+        self.clock = int(clock)
 
     def reserve(self, rows: int, id_map: bool = True) -> None:
         """Make room for ``rows`` rows without further copies; deletes never shrink the arrays
@@ -333,6 +399,11 @@ class RowStore:
             self._alloc(_MIN_ROWS)
 
     # -- internals ----------------------------------------------------------------------------
+    def before_header_rewrite(self) -> None:
+        """Call before rewriting the header word of every row (lfu decay)."""
+        for frozen in self._frozen:
+            frozen.preserve_headers()
+
     def _before_change(self, slots: torch.Tensor) -> None:
         for frozen in self._frozen:
             frozen.preserve(slots)

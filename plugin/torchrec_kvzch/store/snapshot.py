@@ -15,6 +15,7 @@ rows of the forward's slots, which the store preserves when the forward looks th
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import TYPE_CHECKING
 
@@ -99,12 +100,20 @@ class _Frozen:
         self.count = 0
         self.copies = store.arrays.empty_like(0)
         self.arrays: RowArrays | None = None  # arrays the store let go of (clear), read in place
+        self.meta: torch.Tensor | None = None  # header words by slot, kept before a rewrite of all
         if store.in_flight is not None:  # rows a pending fused update is about to write
             self.preserve(store.in_flight)
 
     @property
     def nbytes(self) -> int:
-        return self.copies.nbytes + self.saved_at.numel() * 4
+        meta = self.meta.numel() * 8 if self.meta is not None else 0
+        return self.copies.nbytes + self.saved_at.numel() * 4 + meta
+
+    def preserve_headers(self) -> None:
+        """Keep the header word of every slot (once): the store is about to rewrite them all.
+        Rows not copied aside still sit at their snapshot slots below ``len(store)``."""
+        if self.meta is None and self.arrays is None:
+            self.meta = self.store.meta[: len(self.store)].clone()
 
     def preserve(self, slots: torch.Tensor) -> None:
         """Copy aside the snapshot rows at ``slots`` not copied yet. Called by the store on the
@@ -123,7 +132,10 @@ class _Frozen:
             end = self.count + slots.numel()
             if end > self.copies.rows:
                 self.copies = self.copies.grown(max(end, 2 * self.copies.rows, 1024))
-            self.copies.assign(slice(self.count, end), self.store.arrays, slots)
+            source = self.store.arrays
+            if self.meta is not None:  # headers rewritten since the freeze: the kept ones
+                source = dataclasses.replace(source, meta=self.meta)
+            self.copies.assign(slice(self.count, end), source, slots)
             self.saved_at[pos] = torch.arange(self.count, end, dtype=torch.int32, device=pos.device)
             self.count = end
 
@@ -135,6 +147,8 @@ class _Frozen:
         store = self.store
         with store.lock:  # a consistent (slots, arrays) pair: no resize or move in between
             arrays = self.arrays or store.arrays
+            if self.meta is not None:
+                arrays = dataclasses.replace(arrays, meta=self.meta)
             copied = self.saved_at[start:end] >= 0
             slots = self.slots[start:end].masked_fill(copied, 0)  # copied slots may be gone
         # Gather outside the lock, so training is not held up by a chunk read. Rows not yet

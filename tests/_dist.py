@@ -115,7 +115,7 @@ class RankPool:
         task = pickle.dumps((fn, args))
         for inbox in self._inboxes:
             inbox.put(task)
-        out, errors, deadline = {}, [], time.monotonic() + self.timeout
+        out, errors, deadline, failed_at = {}, [], time.monotonic() + self.timeout, 0.0
         while len(out) + len(errors) < self.world_size:
             try:
                 rank, ok, value = self._results.get(timeout=0.5)

@@ -106,3 +106,39 @@ def test_adam_is_refused_with_a_clear_error():
     p = KVZCHTableParams("a", 4, num_embeddings=2**40, total_num_buckets=8, optimizer="adam")
     with pytest.raises(ValueError, match="supports exact_rowwise_adagrad and exact_sgd, not ADAM"):
         KVZCHTableKernel(p, p.bucket_range(0, 1))
+
+
+@given(pooling=st.sampled_from(POOLINGS), weighted=st.booleans(), mode=st.sampled_from(["no_grad", "eval"]),
+       known=st.lists(st.integers(0, 2**40 - 1), min_size=1, max_size=8),
+       fresh=st.lists(st.integers(0, 2**40 - 1), max_size=8))
+def test_evaluation_changes_nothing_and_reads_what_training_would(pooling, weighted, mode, known, fresh):
+    """An evaluation lookup (no_grad or eval mode) creates, evicts and touches no row and
+    leaves the clock and counters; its output equals a training forward's, unseen ids reading
+    as the id-seeded rows they would get (even with no id at all)."""
+    params = KVZCHTableParams("t", 8, learning_rate=0.1, optimizer="exact_sgd")
+    kernel = KVZCHTableKernel(params, params.bucket_range(0, 1), pooling=pooling)
+    kernel(torch.tensor(known), torch.tensor([0, len(known)])).sum().backward()  # some rows, trained
+    ids = torch.tensor(known + fresh, dtype=torch.long)
+    offsets = torch.tensor([0, len(known), ids.numel()])
+    weights = torch.rand(ids.numel()) if weighted and pooling is not PoolingMode.NONE else None
+    store = kernel.store
+    before = (store.clock, dict(store.counters), store.read_ids(store.sorted_ids(), RowPart.ROW).clone())
+    if mode == "eval":
+        kernel.eval()
+        out = kernel(ids, offsets, weights)
+        kernel.train()
+    else:
+        with torch.no_grad():
+            out = kernel(ids, offsets, weights)
+    assert (store.clock, dict(store.counters)) == before[:2]
+    assert torch.equal(store.read_ids(store.sorted_ids(), RowPart.ROW), before[2])
+    with torch.no_grad():  # the same batch through a training forward, on a copy of the rows
+        twin = KVZCHTableKernel(params, params.bucket_range(0, 1), pooling=pooling)
+        twin.store.write_rows(store.read_ids(store.sorted_ids(), RowPart.ROW))
+        twin.train()
+    with torch.enable_grad():
+        want = twin(ids, offsets, weights)
+    assert torch.equal(out, want.detach())
+    empty = torch.empty(0, dtype=torch.long)
+    with torch.no_grad():
+        assert kernel(empty, torch.zeros(3, dtype=torch.long)).shape[0] in (0, 2)

@@ -1,25 +1,27 @@
 """Exact resume, loads that change everything or nothing, and geometry changes by id.
 
-Each test starts its gloo ranks once and runs many cases in them: a phase at world size W runs
-on ranks [0, W) over a group of its own (the other ranks wait), so one spawn covers saving at
-one world size and loading at another. The hypothesis property is driven by rank 0, which
-broadcasts each drawn example to the other ranks and checks the gathered results.
+Runs at world sizes 1-3 share ranks started once for the module (``RankPool``): a case saves
+at one world size and loads at another by running phases on two pools.
 """
 
+import io
 import os
 import shutil
+import struct
 import tempfile
-import traceback
+import zipfile
 
 import pytest
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torchrec.distributed.comm_ops import set_gradient_division
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.types import ShardingEnv
@@ -30,6 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from _dist import RankPool
 from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, RankBudget
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
+from torchrec_kvzch.checkpoint.planner import KVZCHLoadPlanner, KVZCHSavePlanner
 from torchrec_kvzch.sharding import (KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config,
                                      kvzch_sharders, kvzch_tables)
 
@@ -67,8 +70,14 @@ class Net(nn.Module):
         return self.dense(self.ebc(kjt).values())
 
 
-def build(pg, kind="none", **table_kw):
-    """DMP over ``pg``, its fused and dense optimizers."""
+def build(pg=None, kind="none", dense_lr=0.05, **table_kw):
+    """DMP over ``pg``, its fused and dense optimizers. (DDP averages dense gradients over
+    ranks, so trained dense layers differ between world sizes: ``dense_lr=0`` keeps them
+    fixed where runs at two world sizes are compared.)"""
+    pg = pg or dist.group.WORLD
+    # TorchRec divides embedding gradients by the world size by default, which makes rows
+    # trained at two world sizes differ in their last bits; compared runs must not.
+    set_gradient_division(False)
     kv = table_params(kind, **table_kw)
     torch.manual_seed(0)
     net = Net(kv)
@@ -80,7 +89,7 @@ def build(pg, kind="none", **table_kw):
     plan = planner.collective_plan(net, sharders, pg)
     model = DistributedModelParallel(net, device=torch.device("cpu"), plan=plan, sharders=sharders,
                                      env=ShardingEnv.from_process_group(pg))
-    dense = torch.optim.Adagrad(model.module.dense.parameters(), lr=0.05)
+    dense = torch.optim.Adagrad(model.module.dense.parameters(), lr=dense_lr)
     return model, dense
 
 
@@ -104,8 +113,8 @@ def batch(step, rank, world, high=BUCKETS * BUCKET_SIZE, examples=12, seed=0):
                              lengths=torch.ones(mine.numel(), dtype=torch.long))
 
 
-def train_step(model, dense, step, rank, world):
-    out = model(batch(step, rank, world))
+def train_step(model, dense, step, rank, world, high=BUCKETS * BUCKET_SIZE):
+    out = model(batch(step, rank, world, high))
     out.sum().backward()
     dense.step()
     dense.zero_grad()
@@ -142,15 +151,19 @@ def _shards(entry):
     return {(0, 0): entry.clone()}
 
 
-def same(a, b) -> list[str]:
-    """The parts where two snapshots differ (bit for bit)."""
+def same(a, b, across_worlds=False) -> list[str]:
+    """The parts where two snapshots differ (bit for bit). ``across_worlds``: snapshots of runs
+    at two world sizes, which by design differ in the ordinary table's weights (TorchRec
+    initialises each shard from its own generator) and the dense optimizer state (DDP
+    averages gradients over ranks): those are left out."""
     diff = [k for k in ("history",) if a[k] != b[k]]
-    for key in ("rows", "plain", "plain_opt"):
+    for key in ("rows", "plain_opt") if across_worlds else ("rows", "plain", "plain_opt"):
         if a[key].keys() != b[key].keys():
             diff.append(f"{key}: keys {len(a[key])} vs {len(b[key])}")
         else:
             diff += [f"{key} {k}" for k in a[key] if not torch.equal(a[key][k], b[key][k])][:3]
-    diff += [f"dense {i}" for i, (x, y) in enumerate(zip(a["dense"] + a["dense_opt"], b["dense"] + b["dense_opt"]))
+    dense = ("dense",) if across_worlds else ("dense", "dense_opt")
+    diff += [f"{key} {i}" for key in dense for i, (x, y) in enumerate(zip(a[key], b[key]))
              if not torch.equal(x, y)]
     return diff
 
@@ -165,11 +178,11 @@ def pools():
         pool.close()
 
 
-def reference_run(rank, world, kind, n, m):
+def reference_run(rank, world, kind, n, m, dense_lr):
     """N + M steps, with evaluation forwards of unseen ids between steps (they must change
     nothing); the state at the end and the last M steps' outputs."""
     pg = dist.group.WORLD
-    model, dense = build(pg, kind)
+    model, dense = build(pg, kind, dense_lr)
     outs = []
     for step in range(n + m):
         outs.append(train_step(model, dense, step, rank, world))
@@ -178,10 +191,10 @@ def reference_run(rank, world, kind, n, m):
     return snapshot(model, dense, pg), outs[n:]
 
 
-def save_run(rank, world, kind, n, m, root, asynchronous):
+def save_run(rank, world, kind, n, m, root, asynchronous, dense_lr):
     """N steps, save (async: on a group of its own, training on while it is written)."""
     pg = dist.group.WORLD
-    model, dense = build(pg, kind)
+    model, dense = build(pg, kind, dense_lr)
     for step in range(n):
         train_step(model, dense, step, rank, world)
     group = dist.new_group(backend="gloo") if asynchronous else pg
@@ -192,10 +205,10 @@ def save_run(rank, world, kind, n, m, root, asynchronous):
     manager.close()
 
 
-def resume_run(rank, world, kind, n, m, root):
+def resume_run(rank, world, kind, n, m, root, dense_lr):
     """A model with other rows loads step N's checkpoint, then trains M steps."""
     pg = dist.group.WORLD
-    model, dense = build(pg, kind)
+    model, dense = build(pg, kind, dense_lr)
     train_step(model, dense, 99, rank, world)  # rows and history the load must replace
     state = state_of(model, dense)
     assert CheckpointManager(root, process_group=pg).load(state) == n
@@ -211,13 +224,14 @@ def resume_run(rank, world, kind, n, m, root):
        n=st.integers(1, 6), m=st.integers(1, 4), asynchronous=st.booleans())
 def _resume_property(pools, seen, kind, w_save, data, n, m, asynchronous):
     w_load = data.draw(st.integers(1, 3), label="w_load") if kind in PER_WORLD else w_save
-    expected = pools[w_load].run(reference_run, kind, n, m)
+    dense_lr = 0.05 if w_save == w_load else 0.0
+    expected = pools[w_load].run(reference_run, kind, n, m, dense_lr)
     with tempfile.TemporaryDirectory() as tmp:
-        pools[w_save].run(save_run, kind, n, m, tmp, asynchronous)
-        got = pools[w_load].run(resume_run, kind, n, m, tmp)
-    assert same(expected[0][0], got[0][0]) == []
-    for (_, want), (_, outs) in zip(expected, got):
-        assert all(torch.equal(a, b) for a, b in zip(want, outs))
+        pools[w_save].run(save_run, kind, n, m, tmp, asynchronous, dense_lr)
+        got = pools[w_load].run(resume_run, kind, n, m, tmp, dense_lr)
+    assert same(expected[0][0], got[0][0], across_worlds=w_save != w_load) == []
+    for (_, want), (_, outs) in zip(expected, got):  # (they read the ordinary table too)
+        assert all(torch.equal(a, b) for a, b in zip(want, outs)) or w_save != w_load
     evicted = sum(h[2] for h in got[0][0]["history"][0].values())
     seen.append((kind, w_save != w_load, asynchronous, evicted > 0))
 
@@ -230,3 +244,154 @@ def test_resume_is_exact_for_every_eviction_kind_save_mode_and_world_size(pools)
     _resume_property(pools, seen)
     assert len({kind for kind, *_ in seen}) >= 3 and any(resharded for _, resharded, _, _ in seen)
     assert any(a for _, _, a, _ in seen) and any(e for *_, e in seen)
+
+
+# -- 2. a load that fails changes nothing ------------------------------------------------------
+def save_plain(rank, world, root, high=BUCKETS * BUCKET_SIZE, table_kw=None):
+    """3 steps, then a synchronous save (one file per rank); every row, gathered."""
+    model, dense = build(kind="lru", **(table_kw or {}))
+    for step in range(3):
+        train_step(model, dense, step, rank, world, high)
+    dcp.save(state_of(model, dense), checkpoint_id=root, planner=KVZCHSavePlanner())
+    return snapshot(model, dense, dist.group.WORLD)
+
+
+def load_each(rank, world, paths, verify=True, table_kw=None):
+    """Try to load each checkpoint into one trained model; per path, the error (None when
+    it loaded) and whether the model was left exactly as it was."""
+    table_kw = table_kw or {}
+    model, dense = build(kind="lru", **table_kw)
+    for step in range(50, 53):
+        train_step(model, dense, step, rank, world, table_kw.get("num_embeddings", BUCKETS * BUCKET_SIZE))
+    results = []
+    for path in paths:
+        before = snapshot(model, dense, dist.group.WORLD)
+        state = state_of(model, dense)
+        try:
+            dcp.load(state, checkpoint_id=path, planner=KVZCHLoadPlanner(checkpoint_id=path, verify=verify))
+            error = None
+        except CheckpointException as e:
+            error = str(e)
+        after = snapshot(model, dense, dist.group.WORLD)
+        results.append((error, same(before, after) == [], after))
+    return results
+
+
+ENTRIES = {  # what a damaged entry is, as a pattern of its name
+    "whole rows": "ebc.embedding_bags.t.weight", "legacy weights": "ebc.embedding_bags.u.weight",
+    "legacy ids": "embedding_bags.u.weight_id", "legacy header words": "embedding_bags.u.metaheader",
+    "ids beside whole rows": "embedding_bags.t.weight_id", "rows per bucket": "embedding_bags.t.bucket",
+    "counters": "embedding_bags.t.counters", "clock": "embedding_bags.u.clock",
+    "ordinary table": "ebc.embedding_bags.plain.weight", "ordinary optimizer state": "plain.momentum1",
+    "legacy optimizer state": "u.weight.u.momentum1", "dense weight": "model.dense.weight",
+    "dense optimizer state": "dense.state.", "optimizer settings (pickled)": "dense.param_groups",
+}
+
+
+def _damage(pristine: str, root: str, name: str, how: str) -> tuple[str, str, str]:
+    """A damaged copy of ``pristine``: (its path, the damaged file, the entry's name or "")."""
+    path = os.path.join(root, name.replace(" ", "_") + "-" + how)
+    shutil.copytree(pristine, path)
+    storage = FileSystemReader(path).read_metadata().storage_data
+    if how in ("one checksum file", "every checksum file"):
+        files = sorted(f for f in os.listdir(path) if f.startswith("kvzch_checksums_"))
+        for f in files[: 1 if how == "one checksum file" else None]:
+            os.remove(os.path.join(path, f))
+        return path, os.path.join(path, files[0]), ""
+    index = min((i for i in storage if ENTRIES[name] in i.fqn), key=lambda i: (i.fqn, tuple(i.offset or ())))
+    info = storage[index]
+    target = os.path.join(path, info.relative_path)
+    if how == "flip a bit":  # in the middle of the item's payload, not in zip padding
+        with open(target, "r+b") as f:
+            f.seek(info.offset)
+            at = info.offset + _payload_middle(f.read(info.length))
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x10]))
+    elif how == "truncate the tail":
+        os.truncate(target, os.path.getsize(target) - 64)
+    elif how == "truncate the middle":
+        os.truncate(target, info.offset + info.length // 2)
+    elif how == "delete the file":
+        os.remove(target)
+    return path, target, index.fqn
+
+
+def _payload_middle(item: bytes) -> int:
+    """Offset of the middle byte of what an item holds: torch.save writes a zip whose member
+    ``data/0`` (a tensor's values) or ``data.pkl`` (a pickled object) is the payload."""
+    archive = zipfile.ZipFile(io.BytesIO(item))
+    member = next((i for i in archive.infolist() if i.filename.endswith("/data/0")), None) or \
+        next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
+    name_len, extra_len = struct.unpack("<HH", item[member.header_offset + 26: member.header_offset + 30])
+    return member.header_offset + 30 + name_len + extra_len + member.file_size // 2
+
+
+def test_a_failed_load_changes_nothing(pools, tmp_path):
+    """Every entry kind x every kind of damage: refused, naming the file (and the entry), with
+    every row, header, counter, clock, ordinary weight, optimizer state and dense parameter of
+    the live model unchanged on every rank; the undamaged checkpoint then loads."""
+    pristine = str(tmp_path / "pristine")
+    saved = pools[2].run(save_plain, pristine)[0]
+    cases = [(name, "flip a bit") for name in ENTRIES]
+    cases += [(name, how) for name in ("whole rows", "dense weight")
+              for how in ("truncate the tail", "truncate the middle", "delete the file")]
+    cases += [("whole rows", "one checksum file"), ("whole rows", "every checksum file")]
+    damaged = [_damage(pristine, str(tmp_path), name, how) for name, how in cases]
+    results = pools[2].run(load_each, [path for path, _, _ in damaged] + [pristine])
+    for rank_results in results:
+        for (name, how), (_, target, fqn), (error, unchanged, _) in zip(cases, damaged, rank_results):
+            assert error is not None and unchanged, (name, how)
+            assert target in error, (name, how, error[-600:])
+            if how == "flip a bit":
+                assert f"entry '{fqn}'" in error, (name, how, error[-600:])
+        error, _, after = rank_results[-1]
+        assert error is None
+    assert same(results[0][-1][2], saved) == []
+
+
+def test_verify_false_skips_the_read_back_but_not_the_file_checks(pools, tmp_path):
+    pristine = str(tmp_path / "pristine")
+    pools[1].run(save_plain, pristine)
+    flipped = _damage(pristine, str(tmp_path), "counters", "flip a bit")[0]
+    truncated = _damage(pristine, str(tmp_path), "whole rows", "truncate the middle")[0]
+    (flip, trunc), = [[r[0] for r in rank] for rank in pools[1].run(load_each, [flipped, truncated], False)]
+    assert flip is None or "corrupt" not in flip  # not read back: loads (or fails in torch.load)
+    assert trunc is not None and "is truncated" in trunc
+
+
+# -- 3. geometry changes go by id --------------------------------------------------------------
+def _history_totals(snap):
+    """Per table: the clocks of all ranks, and rows inserted and evicted over all ranks."""
+    return {name: ({h[name][0] for h in snap["history"]}, sum(h[name][1] for h in snap["history"]),
+                   sum(h[name][2] for h in snap["history"])) for name in ("t", "u")}
+
+
+@pytest.mark.parametrize("saved_high, geometry, worlds, fits", [
+    ("low", dict(num_embeddings=2 * BUCKETS * BUCKET_SIZE), (2, 3), True),
+    ("low", dict(num_embeddings=BUCKETS * BUCKET_SIZE // 2), (1, 2), True),
+    ("all", dict(num_embeddings=BUCKETS * BUCKET_SIZE // 2), (2,), False),
+    ("all", dict(buckets=2 * BUCKETS), (2, 3), True),
+    ("all", dict(buckets=BUCKETS // 2, num_embeddings=BUCKETS * BUCKET_SIZE), (1,), True),
+])
+def test_geometry_changes_load_by_id_or_are_refused(pools, tmp_path, saved_high, geometry, worlds, fits):
+    """A checkpoint of 2 ranks loads into a table with another num_embeddings or
+    total_num_buckets at the same and another world size: every row whose id fits arrives
+    (bit for bit, headers included) with the clock and counters; ids that do not fit are
+    refused by name before anything changes."""
+    root = str(tmp_path / "ckpt")
+    high = BUCKETS * BUCKET_SIZE // (2 if saved_high == "low" else 1)
+    saved = pools[2].run(save_plain, root, high)[0]
+    assert len(saved["rows"]) > 40
+    for world in worlds:
+        results = pools[world].run(load_each, [root], True, geometry)
+        for (error, unchanged, after), in results:
+            if fits:
+                assert error is None, error[-800:]
+                assert after["rows"].keys() == saved["rows"].keys()
+                assert all(torch.equal(after["rows"][k], saved["rows"][k]) for k in saved["rows"])
+                assert _history_totals(after) == _history_totals(saved)
+            else:
+                assert error is not None and unchanged
+                assert "holds ids up to" in error and "num_embeddings" in error and "KV-ZCH table 't'" in error

@@ -183,7 +183,7 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
             self._plan_entry(table, table.base + "weight_id", views[table.base + "weight_id"])
             if table.legacy:
                 self._plan_entry(table, table.base + "metaheader", views[table.base + "metaheader"])
-            self._skip(table.base + "bucket")  # rows per bucket: recomputed from the rows
+            self._skip(table.base + "bucket", table)  # rows per bucket: recomputed from the rows
             for name in ("counters", "clock"):
                 fqn = table.base + name
                 if fqn not in self.metadata.state_dict_metadata:
@@ -270,13 +270,13 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
         it is not loaded."""
         saved = self.metadata.state_dict_metadata.get(fqn)
         if view.part is RowPart.OPTIMIZER and not table.optimizer:
-            return self._skip(fqn)
+            return self._skip(fqn, table)
         if view.part is RowPart.OPTIMIZER and saved is None:
             raise ValueError(f"{self._checkpoint} has no optimizer state for KV-ZCH table "
                              f"'{table.name}' (no entry '{fqn}'): it was saved without the optimizer's "
                              "state_dict(). Pass load_optimizer=False to start it fresh")
         if not table.legacy and view.part is not RowPart.ROW:
-            return self._skip(fqn)  # whole rows hold ids and optimizer state already
+            return self._skip(fqn, table)  # whole rows hold ids and optimizer state already
         if saved is None:
             raise ValueError(f"{self._checkpoint} has no '{fqn}' for KV-ZCH table '{table.name}': "
                              "it was saved from another model or by an older torchrec-kvzch")
@@ -287,21 +287,39 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
             table.buffers[view.part] = torch.empty(table.end - table.begin, saved.size[1],
                                                    dtype=saved.properties.dtype)
 
-    def _skip(self, fqn: str) -> None:
+    def _skip(self, fqn: str, table: "_TableLoad | None" = None) -> None:
+        """Read nothing for ``fqn``; a table's skipped entries are still verified."""
         saved = self.metadata.state_dict_metadata.get(fqn)
         if saved is None:
             del self.state_dict[fqn]
-        else:
-            self.state_dict[fqn] = _RowSink(saved.size, 0, 0)
+            return
+        self.state_dict[fqn] = _RowSink(saved.size, 0, 0)
+        if table is not None:
+            table.skipped.append(fqn)
+            self._tables[fqn] = table  # for errors naming it
 
     def create_local_plan(self):
         plan = super().create_local_plan()
-        indices = list(dict.fromkeys(item.storage_index for item in plan.items))
+        indices = [item.storage_index for item in plan.items] + self._skipped_items()
+        indices = list(dict.fromkeys(indices))
         self._check_files(indices)
         files = getattr(self.metadata.planner_data, "checksum_files", [])
         if self._verify and self._checkpoint_dir is not None and files:
             verify_items(self._checkpoint_dir, self.metadata, indices, files, self._describe)
         return plan
+
+    def _skipped_items(self) -> list[MetadataIndex]:
+        """Saved chunks of the tables' entries this load reads nothing of (ids and optimizer
+        state inside whole rows, rows per bucket): checked all the same, each rank its slice
+        of the rows, so a damaged checkpoint is refused whichever entry is damaged."""
+        out = []
+        for table in set(self._tables.values()):
+            for fqn in table.skipped:
+                for c in self.metadata.state_dict_metadata[fqn].chunks:
+                    start, rows = c.offsets[0], c.sizes[0]
+                    if fqn.endswith(".bucket") or (start < table.end and table.begin < start + rows):
+                        out.append(MetadataIndex(fqn, c.offsets))
+        return out
 
     def _check_files(self, indices) -> None:
         if self._checkpoint_dir is not None and getattr(self.metadata, "storage_data", None):
@@ -350,6 +368,7 @@ class _TableLoad:
         self.layout = RowLayout.for_table(saved)  # the saved rows' layout
         self.begin = self.end = 0
         self.parts: dict[str, KVTensor] = {}  # fqn -> the view its rows load through
+        self.skipped: list[str] = []  # entries read for nothing (still verified)
         self.buffers: dict[RowPart, torch.Tensor] = {}
         self.filled = 0
         self.history: dict[str, torch.Tensor] = {}  # clock / counters fqn -> read in full here

@@ -291,9 +291,12 @@ ENTRIES = {  # what a damaged entry is, as a pattern of its name
 }
 
 
+LAST = " (last chunk)"
+
+
 def _damage(pristine: str, root: str, name: str, how: str) -> tuple[str, str, str]:
     """A damaged copy of ``pristine``: (its path, the damaged file, the entry's name or "")."""
-    path = os.path.join(root, name.replace(" ", "_") + "-" + how)
+    path = os.path.join(root, "".join(c if c.isalnum() else "_" for c in name) + "-" + how.replace(" ", "_"))
     shutil.copytree(pristine, path)
     storage = FileSystemReader(path).read_metadata().storage_data
     if how in ("one checksum file", "every checksum file"):
@@ -301,7 +304,9 @@ def _damage(pristine: str, root: str, name: str, how: str) -> tuple[str, str, st
         for f in files[: 1 if how == "one checksum file" else None]:
             os.remove(os.path.join(path, f))
         return path, os.path.join(path, files[0]), ""
-    index = min((i for i in storage if ENTRIES[name] in i.fqn), key=lambda i: (i.fqn, tuple(i.offset or ())))
+    pick = max if name.endswith(LAST) else min  # the last chunk: another rank's file
+    index = pick((i for i in storage if ENTRIES[name.removesuffix(LAST)] in i.fqn),
+                 key=lambda i: (i.fqn, tuple(i.offset or ())))
     info = storage[index]
     target = os.path.join(path, info.relative_path)
     if how == "flip a bit":  # in the middle of the item's payload, not in zip padding
@@ -338,10 +343,12 @@ def test_a_failed_load_changes_nothing(pools, tmp_path):
     pristine = str(tmp_path / "pristine")
     saved = pools[2].run(save_plain, pristine)[0]
     cases = [(name, "flip a bit") for name in ENTRIES]
-    cases += [(name, how) for name in ("whole rows", "dense weight")
+    cases += [(name, how) for name in ("whole rows", "whole rows" + LAST, "dense weight")
               for how in ("truncate the tail", "truncate the middle", "delete the file")]
     cases += [("whole rows", "one checksum file"), ("whole rows", "every checksum file")]
     damaged = [_damage(pristine, str(tmp_path), name, how) for name, how in cases]
+    assert len({os.path.basename(target) for (_, how), (_, target, _) in zip(cases, damaged)
+                if how == "delete the file"}) == 2  # both ranks' data files
     results = pools[2].run(load_each, [path for path, _, _ in damaged] + [pristine])
     for rank_results in results:
         for (name, how), (_, target, fqn), (error, unchanged, _) in zip(cases, damaged, rank_results):

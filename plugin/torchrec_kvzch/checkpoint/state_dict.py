@@ -68,9 +68,8 @@ class TableSnapshot:
         return self.kernel.store
 
     def bucket_counts(self) -> torch.Tensor:
-        r = self.store.bucket_range
-        local = torch.div(self.rows.ids, r.size, rounding_mode="floor") - r.start
-        return torch.bincount(local, minlength=r.num_buckets)
+        return torch.bincount(self.store.local_buckets(self.rows.ids),
+                              minlength=self.store.bucket_range.num_buckets)
 
 
 def kv_view(entry) -> KVTensor | None:

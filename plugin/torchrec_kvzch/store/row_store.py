@@ -154,11 +154,15 @@ class RowStore:
         return {"rows": len(self), "inserted": self.inserted, "evicted": self.evicted,
                 "bytes": self.nbytes}
 
+    def local_buckets(self, ids: torch.Tensor) -> torch.Tensor:
+        """The local bucket (0 = the shard's first) of each of ``ids``, all of this shard."""
+        r = self.bucket_range
+        return torch.div(ids, r.size, rounding_mode="floor") - r.start
+
     def count(self, per_bucket: torch.Tensor, ids: torch.Tensor) -> None:
         """Add one to ``per_bucket`` (a counter above) for each of ``ids``."""
         if ids.numel():
-            r = self.bucket_range
-            local = torch.div(ids.cpu(), r.size, rounding_mode="floor") - r.start
+            local = self.local_buckets(ids.cpu())
             per_bucket.index_add_(0, local, torch.ones_like(local))
 
     @staticmethod
@@ -294,9 +298,7 @@ class RowStore:
 
     def bucket_counts(self) -> torch.Tensor:
         """Rows per local bucket, ``[bucket_range.num_buckets]`` int64."""
-        r = self.bucket_range
-        local = torch.div(self.map.keys(), r.size, rounding_mode="floor") - r.start
-        return torch.bincount(local, minlength=r.num_buckets)
+        return torch.bincount(self.local_buckets(self.map.keys()), minlength=self.bucket_range.num_buckets)
 
     # -- writes -------------------------------------------------------------------------------
     def write(self, slots: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
@@ -374,7 +376,7 @@ class RowStore:
         first = torch.arange(counters.shape[0], dtype=torch.long) * bucket_size
         r = self.bucket_range
         mine = (first >= r.id_start) & (first < r.id_end)
-        local = torch.div(first[mine], r.size, rounding_mode="floor") - r.start
+        local = self.local_buckets(first[mine])
         for column, per_bucket in enumerate((self.inserted_per_bucket, self.evicted_per_bucket)):
             per_bucket.zero_().index_add_(0, local, counters[mine, column].long())
         self.clock = int(clock)

@@ -273,9 +273,7 @@ class RowStore:
         missing = torch.nonzero(slots < 0).view(-1)
         if missing.numel():
             fresh = out.new_empty(missing.numel(), out.shape[1])
-            low, high = self.params.init_range
-            fill_uniform_by_id(fresh, ids[missing], low, high, self.params.init_seed,
-                               native=self._native)
+            self._initial_weights(fresh, ids[missing])
             out[missing] = fresh
         return out
 
@@ -366,7 +364,7 @@ class RowStore:
             self.write(slots, rows, RowPart.ROW)
         else:
             self.write(slots, weights, RowPart.WEIGHT)
-            self.meta[slots] = meta
+            self.write(slots, meta.unsqueeze(1), RowPart.META)
         return keys.numel()
 
     def restore_history(self, clock: int, counters: torch.Tensor, bucket_size: int) -> None:
@@ -413,12 +411,13 @@ class RowStore:
     def _init_rows(self, start: int, end: int) -> None:
         if end > self.capacity:
             self._resize(max(end, int(self.capacity * _GROWTH)), keep=start)
-        ids = self.map.slot_keys[start:end]
-        low, high = self.params.init_range
-        fill_uniform_by_id(self.weights[start:end], ids, low, high, self.params.init_seed,
-                           native=self._native)
+        self._initial_weights(self.weights[start:end], self.map.slot_keys[start:end])
         self.optimizer[start:end] = 0
         self.meta[start:end] = make_meta(self.clock, 0, used=True)
+
+    def _initial_weights(self, out: torch.Tensor, ids: torch.Tensor) -> None:
+        low, high = self.params.init_range
+        fill_uniform_by_id(out, ids, low, high, self.params.init_seed, native=self._native)
 
     def _alloc(self, rows: int) -> None:
         # Uninitialised on purpose: rows past len(self) are written by _init_rows before use,

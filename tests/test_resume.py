@@ -259,7 +259,7 @@ def save_plain(rank, world, root, high=BUCKETS * BUCKET_SIZE, table_kw=None):
     return snapshot(model, dense, dist.group.WORLD)
 
 
-def load_each(rank, world, paths, verify=True, table_kw=None):
+def load_each(rank, world, paths, verify=True, table_kw=None, load_optimizer=True):
     """Try to load each checkpoint into one trained model; per path, the error (None when
     it loaded) and whether the model was left exactly as it was."""
     table_kw = table_kw or {}
@@ -271,7 +271,8 @@ def load_each(rank, world, paths, verify=True, table_kw=None):
         before = snapshot(model, dense, dist.group.WORLD)
         state = state_of(model, dense)
         try:
-            dcp.load(state, checkpoint_id=path, planner=KVZCHLoadPlanner(checkpoint_id=path, verify=verify))
+            planner = KVZCHLoadPlanner(checkpoint_id=path, verify=verify, load_optimizer=load_optimizer)
+            dcp.load(state, checkpoint_id=path, planner=planner)
             error = None
         except CheckpointException as e:
             error = str(e)
@@ -405,3 +406,21 @@ def test_geometry_changes_load_by_id_or_are_refused(pools, tmp_path, saved_high,
             else:
                 assert error is not None and unchanged
                 assert "holds ids up to" in error and "num_embeddings" in error and "KV-ZCH table 't'" in error
+
+
+def test_another_optimizer_is_refused_unless_loading_weights_only(pools, tmp_path):
+    """Tables saved with exact_sgd (whole rows and legacy) into exact_rowwise_adagrad ones:
+    refused, changing nothing; with load_optimizer=False, weights and headers arrive and the
+    optimizer state starts at zero."""
+    root = str(tmp_path / "ckpt")
+    saved = pools[2].run(save_plain, root, BUCKETS * BUCKET_SIZE, {"optimizer": "exact_sgd"})[0]
+    for (error, unchanged, _), in pools[2].run(load_each, [root]):
+        assert error is not None and unchanged
+        assert "saved with optimizer exact_sgd" in error and "load_optimizer=False" in error
+    for (error, _, after), in pools[2].run(load_each, [root], True, None, False):
+        assert error is None, error[-800:]
+        assert after["rows"].keys() == saved["rows"].keys()
+        header_and_weights = 4 + 8  # int32 columns: the 16-byte header, 8 fp32 weights
+        for key, row in saved["rows"].items():
+            assert torch.equal(after["rows"][key][:header_and_weights], row[:header_and_weights]), key
+            assert not after["rows"][key][header_and_weights:].any(), key  # fresh Adagrad state

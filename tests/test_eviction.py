@@ -1,6 +1,7 @@
 """Eviction: a plain-Python model of each policy agrees with the store, the kernel keeps training
 under a budget, and checkpoints after eviction hold exactly the surviving rows."""
 
+import dataclasses
 import math
 
 import pytest
@@ -40,17 +41,7 @@ class Model:
         if self.kind == "none":
             return
         protected = set(ids) & self.rows.keys()
-        doomed = set()
-        if self.kind in ("ttl", "lfu") and self.clock % self.policy.interval_steps == 0:
-            for i, row in self.rows.items():
-                if self.kind == "ttl":
-                    expired = self.clock - row[0] > self.policy.ttl_steps
-                else:
-                    if self.policy.count_decay < 1.0:
-                        row[1] = math.floor(row[1] * self.policy.count_decay)
-                    expired = row[1] < self.policy.count_threshold
-                if expired and i not in protected:
-                    doomed.add(i)
+        doomed = self.run_pass(protected) if self.kind in ("ttl", "lfu") and self.due() else set()
         if self.max_rows is not None:
             new = len(set(ids) - self.rows.keys())
             survivors = len(self.rows) - len(doomed)
@@ -58,6 +49,29 @@ class Model:
                 need = survivors + new - (self.max_rows - self.max_rows // 64)
                 pool = sorted((i for i in self.rows if i not in protected and i not in doomed), key=self.key)
                 doomed.update(pool[:need])
+        self.drop(doomed)
+
+    def due(self):
+        trigger = self.policy.trigger.value
+        if trigger == "rows":
+            return len(self.rows) > self.policy.trigger_rows
+        return trigger == "interval" and self.clock % self.policy.interval_steps == 0
+
+    def run_pass(self, protected=frozenset()):
+        doomed = set()
+        for i, row in self.rows.items():
+            old = self.clock - row[0] > (self.policy.ttl_steps or 0)
+            if self.kind == "ttl":
+                expired = old
+            else:
+                if self.policy.count_decay < 1.0:
+                    row[1] = math.floor(row[1] * self.policy.count_decay)
+                expired = row[1] < self.policy.count_threshold and (old or self.policy.ttl_steps is None)
+            if expired and i not in protected:
+                doomed.add(i)
+        return doomed
+
+    def drop(self, doomed):
         for i in doomed:
             del self.rows[i]
         self.evicted += len(doomed)
@@ -78,6 +92,13 @@ POLICIES = {
                                     count_decay=d.draw(st.sampled_from([1.0, 0.5, 0.9])),
                                     interval_steps=d.draw(st.integers(1, 3)),
                                     max_rows=d.draw(st.one_of(st.none(), st.integers(5, 40)))),
+    # fbgemm's count-and-timestamp rule: rare and old
+    "lfu+ttl": lambda d: EvictionPolicy("lfu", count_threshold=d.draw(st.integers(1, 3)),
+                                        ttl_steps=d.draw(st.integers(1, 4)),
+                                        count_decay=d.draw(st.sampled_from([1.0, 0.5]))),
+    "ttl@rows": lambda d: EvictionPolicy("ttl", ttl_steps=d.draw(st.integers(1, 4)), trigger="rows",
+                                         trigger_rows=d.draw(st.integers(1, 30))),
+    "lfu@manual": lambda d: EvictionPolicy("lfu", count_threshold=d.draw(st.integers(1, 3)), trigger="manual"),
 }
 
 
@@ -94,6 +115,7 @@ def test_store_agrees_with_a_plain_model_of_the_policy(kind, data):
         st.tuples(st.just("batch"), st.lists(st.integers(0, 60), max_size=25)),
         st.tuples(st.just("idle"), st.integers(1, 3)),
         st.tuples(st.just("freeze"), st.none()),
+        st.tuples(st.just("pass"), st.none()),
         st.tuples(st.just("release"), st.none())), max_size=30))
     for op, arg in ops:
         if op == "batch":  # what the kernel does in a forward
@@ -108,6 +130,10 @@ def test_store_agrees_with_a_plain_model_of_the_policy(kind, data):
                 store.clock += 1
                 store.evictor.before_insert(torch.empty(0, dtype=torch.long))
                 model.forward([])
+        elif op == "pass":  # asked for between steps (the manual trigger's only pass)
+            store.evictor.run_pass()
+            if model.kind in ("ttl", "lfu"):
+                model.drop(model.run_pass())
         elif op == "freeze" and snapshot is None:  # eviction goes on as if nothing were frozen
             snapshot = store.snapshot()
             snapshot.freeze()
@@ -357,3 +383,59 @@ def test_checkpoints_after_eviction_hold_exactly_the_surviving_rows(tmp_path):
         assert evicted["lru"] > 500 and evicted["ttl"] > 500 and evicted["plain"] > 500
         assert most_rows <= 900 + 3 * 384  # past the rank budget by at most one step's new rows
         assert same == {"lru": True, "ttl": True, "plain": True}
+
+
+def test_wall_clock_ttl_counts_minutes_from_an_injectable_clock():
+    policy = EvictionPolicy("ttl", ttl_minutes=2)
+    store = RowStore(KVZCHTableParams("t", 4, num_embeddings=2**20, total_num_buckets=16, eviction=policy))
+    now = [1000.0]
+    store.evictor.time_source = lambda: now[0]
+
+    def step(ids, seconds):
+        now[0] += seconds
+        store.clock += 1
+        store.evictor.before_insert(torch.tensor(ids, dtype=torch.long))
+        store.find_or_insert(torch.tensor(ids, dtype=torch.long))
+
+    step([1, 2], 0)
+    step([3], 60)    # t = 60 s
+    step([2], 50)    # t = 110 s: nothing is 2 minutes old yet
+    assert sorted(store.sorted_ids().tolist()) == [1, 2, 3]
+    step([4], 15)    # t = 125 s: id 1 (t = 0) is past 120 s, id 2 was touched at 110 s
+    assert sorted(store.sorted_ids().tolist()) == [2, 3, 4]
+    step([], 100)    # t = 225 s: id 3 (t = 60) goes, id 2 (110) and 4 (125) stay
+    assert sorted(store.sorted_ids().tolist()) == [2, 4]
+    now[0] += 10_000
+    assert store.evictor.run_pass() == 2 and len(store) == 0
+
+
+def test_l2_rule_and_memory_triggers():
+    params = KVZCHTableParams("t", 4, num_embeddings=2**20, total_num_buckets=16, init_range=(-1.0, 1.0),
+                              eviction=EvictionPolicy("l2", l2_threshold=1.0, trigger="rows", trigger_rows=50))
+    store = RowStore(params)
+    ids = torch.arange(100)
+    store.find_or_insert(ids)
+    norms = store.weights[store.find(ids)].norm(dim=1)
+    store.clock += 1
+    store.evictor.before_insert(torch.empty(0, dtype=torch.long))  # 100 rows > 50: a pass
+    assert torch.equal(store.sorted_ids(), ids[norms >= 1.0])
+
+    free = [10 << 30]
+    byfree = RowStore(dataclasses.replace(params, eviction=EvictionPolicy(
+        "l2", l2_threshold=1.0, trigger="free_memory", free_memory_bytes=1 << 30, interval_steps=2)))
+    byfree.evictor.available_memory = lambda: free[0]
+    byfree.find_or_insert(ids)
+    for clock, available, rows in [(1, 10 << 30, 100), (2, 10 << 30, 100), (3, 0, 100), (4, 0, int((norms >= 1).sum()))]:
+        free[0] = available
+        byfree.clock = clock
+        byfree.evictor.before_insert(torch.empty(0, dtype=torch.long))
+        assert len(byfree) == rows  # checked every 2 steps, and only below 1 GB free
+
+    bybytes = RowStore(dataclasses.replace(params, eviction=EvictionPolicy(
+        "l2", l2_threshold=1.0, trigger="bytes", trigger_bytes=RowStore.estimated_bytes(store.layout, 60, reserved=True))))
+    bybytes.find_or_insert(ids[:50])
+    bybytes.evictor.before_insert(torch.empty(0, dtype=torch.long))
+    assert len(bybytes) == 50  # under the byte trigger: no pass
+    bybytes.find_or_insert(ids)
+    bybytes.evictor.before_insert(torch.empty(0, dtype=torch.long))
+    assert len(bybytes) == int((norms >= 1).sum())

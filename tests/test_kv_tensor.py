@@ -54,16 +54,20 @@ def test_snapshot_is_stable_and_deleted_rows_are_skipped_on_load():
 
 
 def test_writes_by_range_and_by_ids():
+    """set_range as fbgemm's KVTensorWrapper: the rows of ids [start, start + length)."""
     store = store_with(torch.tensor([1, 2, 3]))
     kv = KVTensor(store, RowPart.WEIGHT)
-    kv.set_range(0, 1, 2, torch.full((2, 4), 9.0))
+    kv.set_range(0, 2, 2, torch.full((2, 4), 9.0))  # ids 2 and 3, not positions 2 and 3
     assert kv.get_weights_by_ids(torch.tensor([2, 3, 1]))[:2].eq(9.0).all()
+    assert not kv.get_weights_by_ids(torch.tensor([1])).eq(9.0).any()
     kv.set_weights_and_ids(torch.ones(1, 4), torch.tensor([77]))  # creates row 77
     assert store.read_ids(torch.tensor([77])).eq(1.0).all()
     with pytest.raises(ValueError, match="only dim 0"):
         kv.narrow(1, 0, 1)
-    with pytest.raises(IndexError, match=r"rows \[2, 6\)"):
-        kv.set_range(0, 2, 4, torch.ones(4, 4))
+    with pytest.raises(ValueError, match="dim 0 only"):
+        kv.set_range(1, 0, 1, torch.ones(1, 4))
+    with pytest.raises(ValueError, match=r"kv': weight values must be \[4, 4\]"):
+        kv.set_range(0, 2, 4, torch.ones(3, 4))
 
 
 @pytest.mark.parametrize("part", list(RowPart))

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, strategies as st
 
 from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, OptimizerKind
-from torchrec_kvzch.params import fbgemm_kvzch_params
 
 
 def make(**kw):
@@ -102,28 +101,24 @@ def test_bucket_split_equals_torchrec(buckets, world, per_bucket):
     assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1
 
 
-def test_to_fbgemm_params_for_a_rank():
-    p = make(num_embeddings=10 * 2**16, total_num_buckets=10, enable_optimizer_offloading=True,
-             backend_return_whole_row=True)
-    kv = p.to_fbgemm(rank=1, world_size=3)
-    assert kv.bucket_offsets == [(4, 7)]
-    assert kv.bucket_sizes == [p.bucket_size]
-    assert kv.enable_optimizer_offloading and kv.backend_return_whole_row
-    kv.validate()  # fbgemm's own checks agree
+@pytest.mark.parametrize("policy, message", [
+    (dict(kind="ttl"), "needs eviction.ttl_steps"),
+    (dict(kind="ttl", ttl_steps=3, ttl_minutes=2.0), "two TTLs"),
+    (dict(kind="ttl", ttl_minutes=-1.0), "ttl_minutes must be a positive number"),
+    (dict(kind="l2"), "needs eviction.l2_threshold"),
+    (dict(kind="ttl", ttl_steps=3, l2_threshold=0.5), "l2_threshold has no effect"),
+    (dict(kind="lfu", count_threshold=2, trigger="rows"), "trigger_rows goes with"),
+    (dict(kind="lfu", count_threshold=2, trigger_bytes=10), "trigger_bytes goes with"),
+    (dict(kind="lru", max_rows=5, trigger="manual"), "has none"),
+    (dict(kind="ttl", ttl_steps=3, trigger="hourly"), "trigger 'hourly' is unknown"),
+])
+def test_eviction_policy_refuses_inconsistent_fields(policy, message):
+    with pytest.raises(ValueError, match=message):
+        make(eviction=EvictionPolicy(**policy))
 
 
-def test_fbgemm_group_must_agree_on_offloading():
-    a = make(name="a")
-    b = make(name="b", enable_optimizer_offloading=True)
-    with pytest.raises(ValueError, match="disagree on enable_optimizer_offloading"):
-        fbgemm_kvzch_params([a, b], 0, 2)
-    kv = fbgemm_kvzch_params([a, make(name="c", total_num_buckets=8)], 1, 2)
-    assert kv.bucket_offsets == [(32, 64), (4, 8)]
-
-
-def test_eviction_policies_convert_to_fbgemm():
-    ttl = make(eviction=EvictionPolicy(kind="ttl", ttl_steps=5)).eviction.to_fbgemm()
-    assert ttl.eviction_strategy == 0 and ttl.ttls_in_mins == [5]
-    lfu = make(eviction=EvictionPolicy(kind="lfu", count_threshold=3, count_decay=0.5)).eviction
-    lfu.to_fbgemm().validate()
-    assert make().eviction.to_fbgemm().eviction_trigger_mode == 0
+def test_eviction_policy_accepts_triggers_and_mixed_rules():
+    mixed = make(eviction=EvictionPolicy(kind="lfu", count_threshold=2, ttl_minutes=30.0,
+                                         trigger="rows", trigger_rows=100)).eviction
+    assert mixed.trigger.value == "rows" and mixed.ttl_minutes == 30.0
+    assert make(eviction=EvictionPolicy(kind="l2", l2_threshold=0.1)).eviction.kind.value == "l2"

@@ -22,3 +22,20 @@ def test_readme_python_examples_run():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "readme ok" in run.stdout
+
+
+def test_porting_guide_example_runs():
+    guide = README.parent / "docs" / "porting.md"
+    [block] = re.findall(r"```python\n(.*?)```", guide.read_text(), flags=re.S)
+    checks = ("\nfrom torchrec_kvzch.sharding import kvzch_tables"
+              "\n[(name, kernel)] = kvzch_tables(model)"
+              "\nassert name == 'user' and len(kernel.store) == 2"
+              "\nassert kernel.params.eviction.ttl_minutes == 24 * 60"
+              "\nassert kernel.params.optimizer.value == 'exact_row_wise_adagrad'"
+              # the warm-up's rate reached fbgemm: 0.05 x (0.1 + 0.9 x 2 / 100) in the third step
+              "\nassert abs(kernel.tbe.get_learning_rate() - 0.05 * (0.1 + 0.9 * 2 / 100)) < 1e-6"
+              "\nprint('guide ok')\n")
+    run = subprocess.run([sys.executable, "-c", block + checks], cwd=README.parent,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "guide ok" in run.stdout

@@ -232,7 +232,8 @@ class _Parser:
                 kv[key] = tuple(kv[key]) if isinstance(kv[key], list) else kv[key]
         if "eviction" in kv:
             ev = dict(self.mapping(kv["eviction"], f"{where}.eviction", _EVICTION_KEYS))
-            for key in ("ttl_steps", "count_threshold", "max_rows", "max_bytes", "interval_steps"):
+            for key in ("ttl_steps", "count_threshold", "max_rows", "max_bytes", "interval_steps",
+                        "trigger_rows", "trigger_bytes", "free_memory_bytes"):
                 if ev.get(key) is not None:
                     ev[key] = self.integer(ev[key], f"{where}.eviction.{key}")
             kv["eviction"] = EvictionPolicy(**ev)

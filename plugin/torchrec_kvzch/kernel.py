@@ -91,6 +91,7 @@ class KVZCHTableKernel(nn.Module):
             device=self.device,
         )
         self._suffix = "dev" if on_cuda else "host"
+        self._hyper = (params.learning_rate, params.eps)
         self._bound: torch.Tensor | None = None
         self._backward_pending = False
 
@@ -118,6 +119,17 @@ class KVZCHTableKernel(nn.Module):
             self.store.in_flight = slots
             out.register_hook(self._on_backward)
         return out
+
+    def set_hyper_parameters(self, lr: float, eps: float) -> None:
+        """The learning rate and eps of the next fused update (fbgemm reads them in backward)."""
+        if (lr, eps) == self._hyper:
+            return
+        for name, value in (("lr", lr), ("eps", eps)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"KV-ZCH table '{self.params.name}': optimizer {name} must be a "
+                                 f"finite number >= 0, got {value!r}")
+        self.tbe.update_hyper_parameters({"lr": float(lr), "eps": float(eps)})
+        self._hyper = (lr, eps)
 
     def _evaluate(self, ids, offsets, per_sample_weights) -> torch.Tensor:
         """An evaluation lookup (``torch.no_grad()`` or ``model.eval()``) changes nothing: no

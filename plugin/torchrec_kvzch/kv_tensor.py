@@ -6,10 +6,12 @@
 row deleted after the snapshot reads as zeros (used bit 0 in a whole row) and is skipped when
 loaded back, unless the snapshot is frozen, in which case it reads as it was at the freeze.
 
-It offers the method set of fbgemm's ``KVTensorWrapper`` and works wrapped in fbgemm's
-``PartiallyMaterializedTensor(kv, is_virtual=True)``, which is how TorchRec carries such views
-through ``state_dict`` and DCP. With ``read_only=True`` every write is a no-op (logged once):
-that is how optimizer state is exposed when whole rows already carry it.
+It offers the method set of fbgemm's ``KVTensorWrapper`` with its semantics (``set_range``
+writes the rows of ids ``[start, start + length)``, ``get_weights_by_ids`` reads rows of given
+ids) and works wrapped in fbgemm's ``PartiallyMaterializedTensor(kv, is_virtual=True)``, which
+is how TorchRec carries such views through ``state_dict`` and DCP. With ``read_only=True`` every
+write is a no-op (logged once): that is how optimizer state is exposed when whole rows already
+carry it.
 """
 
 from __future__ import annotations
@@ -106,18 +108,36 @@ class KVTensor:
         return self.narrow(0, 0, self.shape[0])
 
     def get_weights_by_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of global ``ids`` as this view's part, ``[len(ids), width]``, read from the live
+        store like fbgemm's DRAM wrapper (an absent id reads as zeros; as a whole row: key = id,
+        used bit 0). Any id of the table may be asked for, not only the snapshot's."""
         return self.store.read_ids(ids, self.part)
 
     # -- writes (no-ops when read_only) --------------------------------------------------------
     def set_range(self, dim: int, start: int, length: int, values: torch.Tensor) -> None:
-        """Write rows ``[start, start + length)``. Whole rows go by their header id."""
+        """fbgemm's ``KVTensorWrapper.set_range``: write the rows of global ids
+        ``[start, start + length)``, creating absent ones (a store keys rows by global id, as
+        fbgemm's backend does once its ``row_offset`` is added). Whole rows follow fbgemm's
+        whole-row backend instead: ``start`` is a position in this view, and each row's header
+        key is replaced by the id at its position before the row is written by that key."""
         if self._skip_write("set_range"):
             return
+        if dim != 0:
+            raise ValueError(f"{self}: set_range writes along dim 0 only, got dim={dim}")
+        if length < 0:
+            raise ValueError(f"{self}: set_range needs length >= 0, got {length}")
+        if self.part is not RowPart.ROW:
+            ids = torch.arange(start, start + length, dtype=torch.long, device=self.store.device)
+            self.store.write_ids(ids, values, self.part)
+            return
         self._check_slice(dim, start, length)
-        if self.part is RowPart.ROW:
-            self.store.write_rows(values)
-        else:
-            self.store.write_ids(self.ids[start : start + length], values, self.part)
+        width, dtype = self.shape[1], self.dtype
+        if values.dim() != 2 or list(values.shape) != [length, width] or values.dtype != dtype:
+            raise ValueError(f"{self}: set_range of {length} whole rows needs a [{length}, {width}] "
+                             f"{dtype} tensor, got {list(values.shape)} {values.dtype}")
+        rows = values.to(self.store.device).clone(memory_format=torch.contiguous_format)
+        rows.view(torch.long)[:, 0] = self.ids[start : start + length]
+        self.store.write_rows(rows)
 
     def set_weights_and_ids(self, weights: torch.Tensor, ids: torch.Tensor) -> None:
         """Write rows for ``ids`` (whole rows: by header id; ``ids`` must match when given)."""
@@ -130,14 +150,16 @@ class KVTensor:
 
     # -- loading checkpoints ------------------------------------------------------------------
     def load(self, values: torch.Tensor, ids: torch.Tensor | None = None,
-             layout: RowLayout | None = None, optimizer: bool = True) -> int:
+             layout: RowLayout | None = None, optimizer: bool = True, strict: bool = False) -> int:
         """Write rows loaded from a checkpoint into the store, keeping those of this shard's
         buckets (a checkpoint's rows come from every saved shard) - the one way loaded rows
         enter a store. Whole rows go by their header ids (``layout``: theirs, when saved with
         another optimizer; ``optimizer=False``: weights and headers only; see
         ``RowStore.write_rows``), other parts by ``ids``. Ids outside the table are refused
-        before anything is written. Returns the rows written. Ignores ``read_only``: this is
-        how a load fills the rows such views stand for."""
+        before anything is written; with ``strict`` so are ids outside this shard (a state
+        dict of this very shard, where a foreign id means the geometry differs). Returns the
+        rows written. Ignores ``read_only``: this is how a load fills the rows such views
+        stand for."""
         if self.part is RowPart.ROW:
             ids = (layout or self.store.layout).unpack(values)[0]
         elif ids is None:
@@ -152,6 +174,11 @@ class KVTensor:
         r = self.store.bucket_range
         mine = (ids >= r.id_start) & (ids < r.id_end)
         if not bool(mine.all()):
+            if strict:
+                raise ValueError(f"KV-ZCH table '{table.name}': the rows to load hold id "
+                                 f"{int(ids[~mine][0])}, outside this shard's ids [{r.id_start}, "
+                                 f"{r.id_end}); load rows of another geometry through DCP "
+                                 "(KVZCHLoadPlanner), which places them by id")
             values, ids = values[mine], ids[mine]
         if self.part is RowPart.ROW:
             return self.store.write_rows(values, layout, optimizer)

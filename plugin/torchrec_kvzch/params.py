@@ -1,12 +1,13 @@
 """The KV-ZCH parameter set: per-table options, their validation, and the bucket math.
 
 Every check raises ``ValueError`` naming the table, the field and the fix (fbgemm's own
-``KVZCHParams.validate`` uses ``assert``, which ``python -O`` strips). Conversion to fbgemm's
-``KVZCHParams`` is provided for interchange with upstream tooling.
+``KVZCHParams.validate`` uses ``assert``, which ``python -O`` strips). TorchRec's own KV-ZCH
+declarations become these parameters in ``sharding/declarations.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import zlib
@@ -53,9 +54,20 @@ class OptimizerKind(str, enum.Enum):
 
 class EvictionKind(str, enum.Enum):
     NONE = "none"
-    TTL = "ttl"  # drop rows not touched for more than ttl_steps steps
+    TTL = "ttl"  # drop rows not touched for more than ttl_steps steps (or ttl_minutes)
     LFU = "lfu"  # decay access counts, drop rows whose count falls below count_threshold
     LRU = "lru"  # under a budget, drop the least recently touched rows first
+    L2 = "l2"  # drop rows whose weights' L2 norm is below l2_threshold
+
+
+class EvictionTrigger(str, enum.Enum):
+    """When a ``ttl`` / ``lfu`` / ``l2`` pass runs (fbgemm's trigger modes, by name)."""
+
+    INTERVAL = "interval"  # every interval_steps training steps
+    ROWS = "rows"  # when the shard holds more than trigger_rows rows
+    BYTES = "bytes"  # when the shard's memory passes trigger_bytes
+    FREE_MEMORY = "free_memory"  # when the host's available memory falls below free_memory_bytes
+    MANUAL = "manual"  # only when asked: ``kvzch_evict(model)`` / ``Evictor.run_pass()``
 
 
 @dataclass(frozen=True)
@@ -63,10 +75,19 @@ class EvictionPolicy:
     """When rows leave a table shard. Timestamps (training steps) and access counts live in each
     row's metaheader.
 
-    ``ttl`` and ``lfu`` run a pass every ``interval_steps`` training steps. A budget
-    (``max_rows`` and/or ``max_bytes`` per table shard) is enforced before every insert: the
-    policy's least valuable rows go first (oldest timestamp for ``lru`` and ``ttl``, lowest count
-    for ``lfu``). Rows of the batch being looked up are never evicted for it.
+    A pass of ``ttl``, ``lfu`` or ``l2`` drops the rows its rule condemns: ``ttl`` rows not
+    touched for more than ``ttl_steps`` steps, or ``ttl_minutes`` of wall-clock time; ``lfu``
+    first decays every access count (``count := floor(count * count_decay)``), then drops rows
+    whose count is below ``count_threshold`` (and, with a TTL, only those also past it, as
+    fbgemm's count-and-timestamp strategy); ``l2`` rows whose weights' L2 norm is below
+    ``l2_threshold``. ``trigger`` says when a pass runs: every ``interval_steps`` steps (the
+    default), past ``trigger_rows`` rows or ``trigger_bytes`` bytes in the shard, below
+    ``free_memory_bytes`` of available host memory (checked every ``interval_steps``), or on
+    request only (``manual``).
+
+    A budget (``max_rows`` and/or ``max_bytes`` per table shard) is enforced before every
+    insert: the policy's least valuable rows go first (oldest timestamp for ``lru``, ``ttl`` and
+    ``l2``, lowest count for ``lfu``). Rows of the batch being looked up are never evicted for it.
     """
 
     kind: EvictionKind | str = EvictionKind.NONE
@@ -76,6 +97,12 @@ class EvictionPolicy:
     max_rows: int | None = None
     max_bytes: int | None = None
     interval_steps: int = 1
+    ttl_minutes: float | None = None
+    l2_threshold: float | None = None
+    trigger: EvictionTrigger | str = EvictionTrigger.INTERVAL
+    trigger_rows: int | None = None
+    trigger_bytes: int | None = None
+    free_memory_bytes: int | None = None
 
     def validate(self, table: str) -> "EvictionPolicy":
         def fail(problem: str):
@@ -85,50 +112,58 @@ class EvictionPolicy:
             kind = EvictionKind(str(getattr(self.kind, "value", self.kind)).lower())
         except ValueError:
             fail(f"eviction.kind {self.kind!r} is unknown; use one of {', '.join(k.value for k in EvictionKind)}")
-        for name in ("ttl_steps", "count_threshold", "max_rows", "max_bytes", "interval_steps"):
+        try:
+            trigger = EvictionTrigger(str(getattr(self.trigger, "value", self.trigger)).lower())
+        except ValueError:
+            fail(f"eviction.trigger {self.trigger!r} is unknown; use one of "
+                 f"{', '.join(t.value for t in EvictionTrigger)}")
+        for name in ("ttl_steps", "count_threshold", "max_rows", "max_bytes", "interval_steps",
+                     "trigger_rows", "trigger_bytes", "free_memory_bytes"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):
                 fail(f"eviction.{name} must be a positive integer, got {value!r}")
-        need = {EvictionKind.TTL: "ttl_steps", EvictionKind.LFU: "count_threshold"}.get(kind)
-        if need is not None and getattr(self, need) is None:
-            fail(f"eviction.kind '{kind.value}' needs eviction.{need} as a positive integer, got None")
+        for name in ("ttl_minutes", "l2_threshold"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+                fail(f"eviction.{name} must be a positive number, got {value!r}")
+        if self.ttl_steps is not None and self.ttl_minutes is not None:
+            fail("eviction.ttl_steps and eviction.ttl_minutes are two TTLs; give one")
+        has_ttl = self.ttl_steps is not None or self.ttl_minutes is not None
+        if kind is EvictionKind.TTL and not has_ttl:
+            fail("eviction.kind 'ttl' needs eviction.ttl_steps (training steps) or "
+                 "eviction.ttl_minutes (wall-clock time)")
+        if kind is EvictionKind.LFU and self.count_threshold is None:
+            fail("eviction.kind 'lfu' needs eviction.count_threshold as a positive integer, got None")
+        if kind is EvictionKind.L2 and self.l2_threshold is None:
+            fail("eviction.kind 'l2' needs eviction.l2_threshold as a positive number, got None")
+        own = {EvictionKind.TTL: ("ttl_steps", "ttl_minutes"), EvictionKind.LFU: ("count_threshold",
+               "ttl_steps", "ttl_minutes"), EvictionKind.L2: ("l2_threshold",)}.get(kind, ())
+        for name in ("ttl_steps", "ttl_minutes", "count_threshold", "l2_threshold"):
+            if getattr(self, name) is not None and name not in own:
+                fail(f"eviction.{name} has no effect with eviction.kind '{kind.value}'; drop it or "
+                     "choose the kind that uses it")
         budget = self.max_rows is not None or self.max_bytes is not None
         if kind is EvictionKind.LRU and not budget:
             fail("eviction.kind 'lru' needs eviction.max_rows or eviction.max_bytes as a positive integer")
         if kind is EvictionKind.NONE and budget:
-            fail("a budget (eviction.max_rows / max_bytes) needs eviction.kind lru, ttl or lfu, "
+            fail("a budget (eviction.max_rows / max_bytes) needs eviction.kind lru, ttl, lfu or l2, "
                  "which decides the rows that go first")
+        need = {EvictionTrigger.ROWS: "trigger_rows", EvictionTrigger.BYTES: "trigger_bytes",
+                EvictionTrigger.FREE_MEMORY: "free_memory_bytes"}
+        for trig, name in need.items():
+            if (trigger is trig) != (getattr(self, name) is not None):
+                fail(f"eviction.{name} goes with eviction.trigger '{trig.value}' (and it needs it)")
+        if trigger is not EvictionTrigger.INTERVAL and kind in (EvictionKind.NONE, EvictionKind.LRU):
+            fail(f"eviction.trigger '{trigger.value}' starts a pass of a ttl, lfu or l2 policy; "
+                 f"kind '{kind.value}' has none")
         if not 0.0 < float(self.count_decay) <= 1.0:
             fail(f"eviction.count_decay must be in (0, 1], got {self.count_decay!r}")
-        return EvictionPolicy(kind, self.ttl_steps, self.count_threshold, float(self.count_decay),
-                              self.max_rows, self.max_bytes, self.interval_steps)
+        return dataclasses.replace(self, kind=kind, trigger=trigger, count_decay=float(self.count_decay))
 
     @property
     def enabled(self) -> bool:
         return EvictionKind(self.kind) is not EvictionKind.NONE
-
-    def to_fbgemm(self):
-        """fbgemm's nearest ``EvictionPolicy`` (it counts TTL in minutes, we count steps)."""
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-            EvictionPolicy as FbgemmEviction,
-        )
-
-        kind = EvictionKind(self.kind)
-        if kind is EvictionKind.NONE:
-            return FbgemmEviction()
-        if kind is EvictionKind.TTL:
-            return FbgemmEviction(eviction_trigger_mode=3, eviction_strategy=0,
-                                  ttls_in_mins=[self.ttl_steps])
-        if kind is EvictionKind.LFU:
-            return FbgemmEviction(eviction_trigger_mode=3, eviction_strategy=1,
-                                  counter_thresholds=[self.count_threshold],
-                                  counter_decay_rates=[self.count_decay])
-        if self.max_rows is None:  # a byte budget: fbgemm's memory-threshold trigger
-            return FbgemmEviction(eviction_trigger_mode=2, eviction_strategy=0, ttls_in_mins=[0],
-                                  eviction_mem_threshold_gb=max(1, self.max_bytes >> 30))
-        return FbgemmEviction(eviction_trigger_mode=4, eviction_strategy=0, ttls_in_mins=[0],
-                              training_id_eviction_trigger_count=[self.max_rows],
-                              training_id_keep_count=[self.max_rows])
 
 
 @dataclass(frozen=True)
@@ -178,6 +213,10 @@ class BucketRange:
         return self.end * self.size
 
 
+OPTIMIZER_DEFAULTS = {"optimizer": OptimizerKind.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01,
+                      "eps": 1e-8}
+
+
 @dataclass(frozen=True)
 class KVZCHTableParams:
     """Options of one KV-ZCH table. Validated on construction."""
@@ -186,9 +225,10 @@ class KVZCHTableParams:
     embedding_dim: int
     num_embeddings: int = 2**40
     total_num_buckets: int = 1024
-    optimizer: OptimizerKind | str = OptimizerKind.EXACT_ROWWISE_ADAGRAD
-    learning_rate: float = 0.01
-    eps: float = 1e-8
+    # None: the sharders' fused params decide, else exact_row_wise_adagrad, 0.01, 1e-8
+    optimizer: OptimizerKind | str | None = None
+    learning_rate: float | None = None
+    eps: float | None = None
     betas: tuple[float, float] = (0.9, 0.999)
     init_range: tuple[float, float] = (-0.01, 0.01)
     init_seed: int | None = None  # None: derived from the table name
@@ -198,11 +238,19 @@ class KVZCHTableParams:
     eviction: EvictionPolicy = field(default_factory=EvictionPolicy)
     checkpoint_chunk_rows: int = 65536
     expected_rows: int = 1_000_000  # live rows over all ranks; sizes the planner's DRAM estimate
+    # The optimizer fields left unset (filled with defaults): the sharders' fused params may set them.
+    defaulted: frozenset[str] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"KV-ZCH table name must be a non-empty string, got {self.name!r}")
         fail = self._fail
+        if self.defaulted is None:
+            object.__setattr__(self, "defaulted", frozenset(
+                name for name in OPTIMIZER_DEFAULTS if getattr(self, name) is None))
+        for name, value in OPTIMIZER_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         for name in ("embedding_dim", "num_embeddings", "total_num_buckets", "checkpoint_chunk_rows",
                      "expected_rows"):
             if not _positive_int(getattr(self, name)):
@@ -277,32 +325,6 @@ class KVZCHTableParams:
         (ids spread evenly over buckets), at most the shard's id range."""
         share = -(-self.expected_rows * bucket_range.num_buckets // self.total_num_buckets)
         return min(share, bucket_range.num_buckets * bucket_range.size)
-
-    def to_fbgemm(self, rank: int, world_size: int):
-        """fbgemm's ``KVZCHParams`` for this table's shard on ``rank``."""
-        return fbgemm_kvzch_params([self], rank, world_size)
-
-
-def fbgemm_kvzch_params(tables: list[KVZCHTableParams], rank: int, world_size: int):
-    """One fbgemm ``KVZCHParams`` for a group of tables sharded together (one TBE)."""
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import KVZCHParams
-
-    if not tables:
-        raise ValueError("fbgemm_kvzch_params needs at least one table")
-    for key in ("enable_optimizer_offloading", "backend_return_whole_row", "eviction"):
-        if len({getattr(t, key) for t in tables}) > 1:
-            raise ValueError(
-                f"KV-ZCH tables {[t.name for t in tables]} disagree on {key}; "
-                "tables grouped into one kernel must share it"
-            )
-    ranges = [t.bucket_range(rank, world_size) for t in tables]
-    return KVZCHParams(
-        bucket_offsets=[(r.start, r.end) for r in ranges],
-        bucket_sizes=[r.size for r in ranges],
-        enable_optimizer_offloading=tables[0].enable_optimizer_offloading,
-        backend_return_whole_row=tables[0].backend_return_whole_row,
-        eviction_policy=tables[0].eviction.to_fbgemm(),
-    )
 
 
 def _positive_int(value) -> bool:

@@ -1,8 +1,8 @@
 """TorchRec integration: kernels, the sharding extension chain, table configs, the planner."""
 
+from torchrec_kvzch.sharding.declarations import KVZCH_KERNEL, VIRTUAL_KERNELS, table_params
 from torchrec_kvzch.sharding.kernels import KVZCHEmbeddingKernel
 from torchrec_kvzch.sharding.modules import (
-    KVZCH_KERNEL,
     KVZCHEmbeddingBagCollectionSharder,
     KVZCHEmbeddingCollectionSharder,
     KVZCHParameterSharding,
@@ -22,9 +22,11 @@ __all__ = [
     "KVZCHEmbeddingBagCollectionSharder",
     "KVZCHEmbeddingCollectionSharder",
     "KVZCHEmbeddingKernel",
+    "VIRTUAL_KERNELS",
     "KVZCHParameterSharding",
     "kvzch_embedding_bag_config",
     "kvzch_embedding_config",
     "kvzch_sharders",
     "kvzch_tables",
+    "table_params",
 ]

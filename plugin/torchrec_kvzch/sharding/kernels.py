@@ -22,6 +22,7 @@ from torchrec.modules.embedding_configs import pooling_type_to_pooling_mode
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_kvzch.checkpoint.state_dict import table_entries
 from torchrec_kvzch.kernel import KVZCHTableKernel
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams
 
@@ -51,11 +52,25 @@ def shard_bucket_range(params: KVZCHTableParams, table: ShardedEmbeddingTable,
 class KVZCHFusedOptimizer(FusedOptimizer):
     """The optimizer step runs inside backward (fbgemm's fused update); step() has nothing to do.
     Optimizer state lives in the row store; ``state`` holds views of it, refreshed by
-    ``set_state`` whenever the model's state dict is taken (row counts change over time)."""
+    ``set_state`` whenever the model's state dict is taken (row counts change over time).
 
-    def __init__(self, params: dict[str, torch.Tensor]) -> None:
-        super().__init__(params, {}, [{"params": list(params.values())}])
+    Param groups carry ``lr`` and ``eps``, one group per set of tables declared with the same
+    values (as TorchRec gives one fused optimizer per TBE, whose tables share them). Set by
+    hand, by torch's LR schedulers or by TorchRec's warm-up, they reach the tables at their next
+    training forward, so the next fused update uses them."""
+
+    def __init__(self, params: dict[str, torch.Tensor], tables: dict[str, KVZCHTableParams]) -> None:
         self._table_of = {id(p): key.split(".")[-2] for key, p in params.items()}  # "<t>.weight"
+        groups: dict[tuple[float, float], list[torch.Tensor]] = {}
+        for param in params.values():
+            table = tables[self._table_of[id(param)]]
+            groups.setdefault((table.learning_rate, table.eps), []).append(param)
+        super().__init__(params, {}, [{"params": ps, "lr": lr, "eps": eps}
+                                      for (lr, eps), ps in groups.items()])
+
+    def hyper_parameters(self) -> dict[str, tuple[float, float]]:
+        """``{table: (lr, eps)}`` as the param groups say now."""
+        return {self._table_of[id(p)]: (g["lr"], g["eps"]) for g in self.param_groups for p in g["params"]}
 
     def set_state(self, by_table: dict[str, dict]) -> None:
         """Point each table's state at fresh views: ``{table: {state name: tensor}}``."""
@@ -81,6 +96,7 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         sharding MEAN runs as SUM here and TorchRec divides after the reduce-scatter."""
         BaseEmbedding.__init__(self)
         self._config = config
+        self._pg = pg
         self._pooled = pooled
         device = device or torch.device("cpu")
         by_name = {p.name: p for p in (config.fused_params or {}).get(FUSED_PARAMS_KEY, ())}
@@ -92,7 +108,7 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
             if params is None:
                 raise ValueError(
                     f"table '{table.name}' is planned with the KV-ZCH kernel but carries no "
-                    "KVZCHTableParams; plan with KVZCHShardingPlanner or use KVZCHParameterSharding"
+                    "KVZCHTableParams; shard it with kvzch_sharders()"
                 )
             if (params.embedding_dim, params.num_embeddings) != (table.local_cols, table.num_embeddings):
                 raise ValueError(
@@ -109,7 +125,11 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
             self._row_offsets.append(buckets.id_start)
             self._features_per_table.append(table.num_features())
         self._optim = KVZCHFusedOptimizer(
-            {f"{name}.weight": torch.empty(0) for name in self.tables})
+            {f"{name}.weight": torch.empty(0) for name in self.tables},
+            {name: kernel.params for name, kernel in self.tables.items()})
+        # TorchRec hands weights to every kernel of a weighted module only; a KJT may carry
+        # others (e.g. feature scores), which must never scale a lookup.
+        self._weighted = pooled and config.is_weighted
 
     @property
     def config(self) -> GroupedEmbeddingConfig:
@@ -125,9 +145,11 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                 "KV-ZCH tables do not support variable batch sizes per feature (VBE) yet")
         parts = (features.split(self._features_per_table) if len(self.tables) > 1 else [features])
         outs = []
-        for kernel, kjt, offset in zip(self.tables.values(), parts, self._row_offsets):
+        hyper = self._optim.hyper_parameters()
+        for (name, kernel), kjt, offset in zip(self.tables.items(), parts, self._row_offsets):
+            kernel.set_hyper_parameters(*hyper[name])
             ids = kjt.values().long() + offset  # local -> global ids
-            outs.append(kernel(ids, kjt.offsets(), kjt.weights_or_none()))
+            outs.append(kernel(ids, kjt.offsets(), kjt.weights_or_none() if self._weighted else None))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1 if self._pooled else 0)
 
     # -- what TorchRec's sharded modules call on a kernel ------------------------------------
@@ -147,6 +169,18 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
 
     def flush(self) -> None:
         pass
+
+    def get_named_split_embedding_weights_snapshot(self) -> Iterator[tuple]:
+        """What TorchRec's KV-ZCH kernels return: per table ``(name, weight, weight_id, bucket,
+        metadata)``, ShardedTensors over one snapshot of its rows, exactly the table's state-dict
+        entries (``metadata``: the header words, None with whole rows, which carry them). The
+        weight's local shards are ``PartiallyMaterializedTensor`` s over our ``KVTensor``
+        (``get_weights_by_ids``, ``wrapped.set_weights_and_ids``, ``wrapped.set_range``).
+        A collective on the kernel's process group, like a state dict."""
+        entries, _ = table_entries(self.tables.items(), "", self._pg)
+        for name in self.tables:
+            yield (name, entries[f"{name}.weight"], entries[f"{name}.weight_id"],
+                   entries[f"{name}.bucket"], entries.get(f"{name}.metaheader"))
 
     def purge(self) -> None:
         pass

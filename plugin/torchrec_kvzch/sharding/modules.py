@@ -6,6 +6,11 @@ Every step is a subclass of a public TorchRec class overriding one factory metho
 other kernels (e.g. FUSED) in the same module go through the stock code unchanged. The
 sharders also offer ROW_WISE on CPU, where TorchRec's stock sharders offer it only on CUDA
 (its row-wise input distribution works on CPU with gloo).
+
+Plans name KV-ZCH tables by TorchRec's virtual-table kernels (``dram_virtual_table``...). The
+sharder moves them to ``STORE_KERNEL`` (TorchRec's ``customized_kernel``) before the sharded
+module is built, each with its ``KVZCHTableParams``: TorchRec's own code for virtual tables
+(state dicts of fbgemm's KV backends) then stays out of the way of ours.
 """
 
 from __future__ import annotations
@@ -34,16 +39,18 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 
-from torchrec_kvzch.checkpoint.state_dict import TABLE_ENTRIES, kv_view, load_materialised, table_entries
+from torchrec_kvzch.checkpoint.state_dict import (
+    TABLE_ENTRIES, UPSTREAM_ONLY_ENTRIES, kv_view, load_materialised, table_entries)
 from torchrec_kvzch.kv_tensor import KVTensor
 from torchrec_kvzch.params import KVZCHTableParams, RankBudget
+from torchrec_kvzch.sharding.declarations import KVZCH_KERNEL, VIRTUAL_KERNELS, table_params
 from torchrec_kvzch.sharding.kernels import FUSED_PARAMS_KEY, KVZCHEmbeddingKernel
 from torchrec_kvzch.sharding.tables import kvzch_kernels, kvzch_tables
 from torchrec_kvzch.sharding.validation import BatchChecker
 from torchrec_kvzch.store.eviction import SharedBudget
 from torchrec_kvzch.store.layout import RowPart
 
-KVZCH_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+STORE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 ROW_WISE = ShardingType.ROW_WISE.value
 # Shardings whose kernels pool MEAN as SUM (``pooling_type_to_pooling_mode``; grid shards look
 # up as table-row-wise): the EBC divides their MEAN outputs after the output dist.
@@ -65,22 +72,49 @@ class KVZCHParameterSharding(ParameterSharding):
 
     @classmethod
     def wrap(cls, sharding: ParameterSharding, params: KVZCHTableParams,
-             group: tuple[KVZCHTableParams, ...] = ()) -> "KVZCHParameterSharding":
+             group: tuple[KVZCHTableParams, ...] = (), **changes) -> "KVZCHParameterSharding":
         fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
-        return cls(**fields, kvzch=params, kvzch_group=tuple(group))
+        return cls(**{**fields, **changes}, kvzch=params, kvzch_group=tuple(group))
+
+
+def store_plan(configs, plan: dict[str, ParameterSharding],
+               fused_params: dict | None) -> dict[str, ParameterSharding]:
+    """A module's plan with its KV-ZCH tables moved to ``STORE_KERNEL``, each carrying its
+    parameters (from our planner, else read from its declarations) and the module's group of
+    them. Other tables' entries are returned as they are."""
+    by_name = {c.name: c for c in configs}
+    chosen = {}
+    for name, sharding in plan.items():
+        kernel = sharding.compute_kernel
+        if kernel not in VIRTUAL_KERNELS and kernel != STORE_KERNEL:
+            continue
+        explicit = sharding.kvzch if isinstance(sharding, KVZCHParameterSharding) else None
+        if explicit is None and kernel == STORE_KERNEL:
+            raise ValueError(f"table '{name}' is planned on {STORE_KERNEL} without KV-ZCH "
+                             f"parameters; plan it on {KVZCH_KERNEL} (KVZCHShardingPlanner does)")
+        # (Parameters from our planner come back unchanged: it read the same declarations.)
+        params = table_params(by_name[name], KVZCH_KERNEL if kernel == STORE_KERNEL else kernel,
+                              sharding.key_value_params, fused_params, explicit)
+        if sharding.sharding_type != ROW_WISE:
+            raise ValueError(f"KV-ZCH table '{name}' is planned {sharding.sharding_type}; KV-ZCH "
+                             f"tables are sharded row-wise by buckets (sharding_types=['{ROW_WISE}'])")
+        chosen[name] = params
+    group = tuple(chosen[n] for n in sorted(chosen))
+    return {name: (KVZCHParameterSharding.wrap(s, chosen[name], group, compute_kernel=STORE_KERNEL)
+                   if name in chosen else s) for name, s in plan.items()}
 
 
 # -- lookups: build our kernel for KV-ZCH groups, the stock one otherwise ---------------------
 class KVZCHPooledLookup(GroupedPooledEmbeddingsLookup):
     def _create_embedding_kernel(self, config, device, pg, sharding_type, env):
-        if config.compute_kernel.value == KVZCH_KERNEL:
+        if config.compute_kernel.value == STORE_KERNEL:
             return KVZCHEmbeddingKernel(config, pg, device, sharding_type, pooled=True)
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
 
 
 class KVZCHSequenceLookup(GroupedEmbeddingsLookup):
     def _create_embedding_kernel(self, config, pg, device, env=None):
-        if config.compute_kernel.value == KVZCH_KERNEL:
+        if config.compute_kernel.value == STORE_KERNEL:
             return KVZCHEmbeddingKernel(config, pg, device, None, pooled=False)
         return super()._create_embedding_kernel(config, pg, device, env)
 
@@ -123,7 +157,7 @@ class _KVZCHModuleMixin:
         return super().input_dist(ctx, features, *args, **kwargs)
 
     def _kvzch_tables(self) -> set[str]:
-        return {t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == KVZCH_KERNEL}
+        return {t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == STORE_KERNEL}
 
     def reset_parameters(self) -> None:
         # Stock reset re-initialises every table's dense weight; ours have none (the store
@@ -240,15 +274,21 @@ def _add_kvzch_entries(module, destination, prefix, local_metadata):
 
 
 def _take_kvzch_entries(module, state_dict, prefix, *args) -> None:
-    """Removes our tables' entries before TorchRec's own checks. Entries that are this model's
-    own views (a state dict loaded in place by DCP) need nothing more; materialised rows (e.g.
-    from ``torch.load``) are written into the stores, and the fused optimizer's state views are
-    then rebuilt over the loaded rows, so that its ``load_state_dict`` writes the matching
-    optimizer state (same world size) into them."""
+    """Removes our tables' entries before TorchRec's own checks, and upstream TorchRec's
+    ``{table}.metadata`` (its only entry we lack; any other unknown key is left for TorchRec's
+    strict check to report). Entries that are this model's own views (a state dict loaded in
+    place by DCP) need nothing more. Others are rows to load, at the same world size: from
+    ``torch.load``, upstream TorchRec's materialised state dict, or another model's state dict
+    (``model2.load_state_dict(model1.state_dict())``, read chunk by chunk). Upstream TorchRec
+    skips virtual-table weights in this path; we load them, since the rows are at hand. The
+    fused optimizer's state views are then rebuilt over the loaded rows, so that its
+    ``load_state_dict`` writes the matching optimizer state into them (by each row's id when
+    it comes from another model's views)."""
     loaded = False
     for name, kernel in kvzch_tables(module):
         base = f"{prefix}{module._tables_prefix}{name}."
-        entries = {k: state_dict.pop(base + k) for k in TABLE_ENTRIES if base + k in state_dict}
+        entries = {k: state_dict.pop(base + k) for k in TABLE_ENTRIES + UPSTREAM_ONLY_ENTRIES
+                   if base + k in state_dict}
         view = kv_view(entries.get("weight"))
         if "weight" in entries and (view is None or view.store is not kernel.store):
             part = RowPart.ROW if kernel.params.backend_return_whole_row else RowPart.WEIGHT
@@ -276,14 +316,19 @@ class _KVZCHSharderMixin:
         return types if ROW_WISE in types else [*types, ROW_WISE]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        """TorchRec's kernels, and row-wise its virtual-table ones on every device (TorchRec
+        guards them: only a table constrained to one is planned on one)."""
         kernels = list(super().compute_kernels(sharding_type, compute_device_type))
-        return [*kernels, KVZCH_KERNEL] if sharding_type == ROW_WISE else kernels
+        if sharding_type == ROW_WISE:
+            kernels += [k for k in VIRTUAL_KERNELS if k not in kernels]
+        return kernels
 
 
 class KVZCHEmbeddingBagCollectionSharder(_KVZCHSharderMixin, EmbeddingBagCollectionSharder):
     """Shards EmbeddingBagCollections whose KV-ZCH tables use our kernel; other tables as usual."""
 
     def shard(self, module, params, env, device=None, module_fqn=None):
+        params = store_plan(module.embedding_bag_configs(), params, self.fused_params)
         return self._under_budget(KVZCHShardedEmbeddingBagCollection(
             module=module, table_name_to_parameter_sharding=params, env=env,
             fused_params=self.fused_params, device=device,
@@ -299,6 +344,7 @@ class KVZCHEmbeddingCollectionSharder(_KVZCHSharderMixin, EmbeddingCollectionSha
     """Shards EmbeddingCollections whose KV-ZCH tables use our kernel; other tables as usual."""
 
     def shard(self, module, params, env, device=None, module_fqn=None):
+        params = store_plan(module.embedding_configs(), params, self.fused_params)
         return self._under_budget(KVZCHShardedEmbeddingCollection(
             module, params, env, self.fused_params, device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
@@ -311,9 +357,10 @@ class KVZCHEmbeddingCollectionSharder(_KVZCHSharderMixin, EmbeddingCollectionSha
 
 def kvzch_sharders(fused_params: dict[str, Any] | None = None,
                    rank_budget: RankBudget | None = None) -> list:
-    """Sharders for models mixing KV-ZCH and ordinary tables. ``fused_params`` configure the
-    ordinary (FUSED) tables, e.g. ``{"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-    "learning_rate": 0.01}``; KV-ZCH tables take theirs from ``KVZCHTableParams``.
+    """Sharders for models mixing KV-ZCH and ordinary tables. ``fused_params`` configure every
+    table, e.g. ``{"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}``;
+    a KV-ZCH table's ``KVZCHTableParams`` fields that are set win over them (see
+    ``declarations``), and a fused param the KV-ZCH kernel cannot honour is refused.
     ``rank_budget``: one memory budget shared by every KV-ZCH table shard these sharders
     create on this rank (``sharders[0].shared_budget`` reports its usage)."""
     shared = SharedBudget(rank_budget) if rank_budget is not None else None

@@ -1,18 +1,23 @@
 """Planning KV-ZCH tables with TorchRec's own sharding planner.
 
-A table opts in through its planner constraints: ``KVZCHConstraints(kvzch=KVZCHTableParams(...))``
-is a TorchRec ``ParameterConstraints`` carrying the table's KV-ZCH options.
-``KVZCHShardingPlanner`` is TorchRec's ``EmbeddingShardingPlanner`` with three additions:
+A table is a KV-ZCH table when its config says ``use_virtual_table=True`` (TorchRec's own
+declaration), when its constraints name a virtual-table kernel (``dram_virtual_table``,
+``ssd_virtual_table``, ``dram_ssd_virtual_table``), or when its constraints are
+``KVZCHConstraints(kvzch=KVZCHTableParams(...))``, our explicit way. ``KVZCHShardingPlanner``
+is TorchRec's ``EmbeddingShardingPlanner`` with three additions:
 
-* constraints: KV-ZCH tables are pinned to ROW_WISE on our kernel; every other table is kept
-  off it (TorchRec does not guard ``customized_kernel``, so it could otherwise pick it);
-* estimators: a bandwidth entry for our kernel (TorchRec's perf estimator rejects unknown
-  kernels), and a storage estimator that counts the memory of each shard's *expected* rows
-  (``KVZCHTableParams.expected_rows``) with the store's growth slack and hash table, where
-  TorchRec counts virtual tables as 0 - so a plan that cannot fit fails with the planner's
-  normal error;
+* constraints: KV-ZCH tables are pinned to ROW_WISE on their virtual-table kernel, and their
+  parameters are read from every declaration (``declarations.table_params``) before planning,
+  so a field we cannot honour fails here;
+* estimators: a bandwidth entry for the virtual-table kernels on CPU (TorchRec prices them only
+  on CUDA), and, for tables declared with ``KVZCHConstraints``, a storage estimator that counts
+  the memory of each shard's *expected* rows (``KVZCHTableParams.expected_rows``) with the
+  store's growth slack and hash table, where TorchRec counts only its caches - so a plan that
+  cannot fit fails with the planner's normal error;
 * the plan it returns carries each KV-ZCH table's parameters (``KVZCHParameterSharding``),
-  which is how they reach the kernel.
+  which is how they reach the kernel. TorchRec's stock planner can plan the same tables on
+  CUDA (it prices virtual-table kernels there); our sharders then read the parameters from the
+  declarations themselves.
 """
 
 from __future__ import annotations
@@ -21,9 +26,8 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.planner.constants import DDR_MEM_BW
+from torchrec.distributed.planner.constants import BATCH_SIZE, DDR_MEM_BW
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator import EmbeddingPerfEstimatorFactory
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
@@ -33,16 +37,10 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams
-from torchrec_kvzch.sharding.modules import (
-    KVZCH_KERNEL,
-    ROW_WISE,
-    KVZCHParameterSharding,
-    kvzch_sharders,
-)
+from torchrec_kvzch.sharding.declarations import KVZCH_KERNEL, VIRTUAL_KERNELS, table_params
+from torchrec_kvzch.sharding.modules import ROW_WISE, KVZCHParameterSharding, kvzch_sharders
 from torchrec_kvzch.store.layout import RowLayout
 from torchrec_kvzch.store.row_store import RowStore
-
-OTHER_KERNELS = [k.value for k in EmbeddingComputeKernel if k.value != KVZCH_KERNEL]
 
 
 @dataclass
@@ -54,14 +52,17 @@ class KVZCHConstraints(ParameterConstraints):
 
 
 class KVZCHPerfConfig(EmbeddingPerfEstimatorConfig):
-    """Our kernel is bound by host memory like fbgemm's CPU TBE: price it at DDR bandwidth."""
+    """On CPU our kernel is bound by host memory like fbgemm's CPU TBE: price it at DDR
+    bandwidth (TorchRec prices virtual-table kernels on CUDA only, and keeps its CUDA price)."""
 
-    kernel_device_bandwidths = {("cpu", KVZCH_KERNEL): DDR_MEM_BW, ("cuda", KVZCH_KERNEL): DDR_MEM_BW}
+    kernel_device_bandwidths = {("cpu", kernel): DDR_MEM_BW for kernel in VIRTUAL_KERNELS}
 
 
 class KVZCHStorageEstimator(EmbeddingStorageEstimator):
-    """TorchRec's storage estimate, with KV-ZCH shards replaced by the bytes their expected rows
-    take in a row store (host DRAM on CPU, device memory on CUDA)."""
+    """TorchRec's storage estimate, with the shards of tables declared with ``KVZCHConstraints``
+    replaced by the bytes their ``expected_rows`` take in a row store (host DRAM on CPU, device
+    memory on CUDA). TorchRec's own declarations carry no row count: their shards keep
+    TorchRec's estimate (the caches its ``KeyValueParams`` size)."""
 
     def __init__(self, topology: Topology, constraints, tables: dict[str, KVZCHTableParams]) -> None:
         super().__init__(topology=topology, constraints=constraints)
@@ -72,7 +73,7 @@ class KVZCHStorageEstimator(EmbeddingStorageEstimator):
         super().estimate(sharding_options, sharder_data_map)
         for option in sharding_options:
             params = self._tables.get(option.name)
-            if params is None or option.compute_kernel != KVZCH_KERNEL:
+            if params is None or option.compute_kernel not in VIRTUAL_KERNELS:
                 continue
             layout = RowLayout.for_table(params)
             for shard in option.shards:
@@ -83,7 +84,7 @@ class KVZCHStorageEstimator(EmbeddingStorageEstimator):
 
 
 class KVZCHShardingPlanner(EmbeddingShardingPlanner):
-    """TorchRec's planner; tables whose constraints are ``KVZCHConstraints`` are KV-ZCH tables."""
+    """TorchRec's planner, which also plans KV-ZCH tables (see the module docstring)."""
 
     def __init__(
         self,
@@ -92,72 +93,89 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
         constraints: dict[str, ParameterConstraints] | None = None,
         **kwargs,
     ) -> None:
+        batch_size = BATCH_SIZE if batch_size is None else batch_size  # as TorchRec's planner
         # Our own copies: the planner narrows them, the caller's objects stay as given.
         self._constraints = {name: replace(c) for name, c in (constraints or {}).items()}
-        self._kvzch = {name: _pinned(name, c) for name, c in self._constraints.items()
-                       if isinstance(c, KVZCHConstraints)}
+        self._kvzch: dict[str, KVZCHTableParams] = {}  # filled by plan()
+        self._estimated: dict[str, KVZCHTableParams] = {}  # those with a row count, for the estimator
         perf = EmbeddingPerfEstimatorFactory.create_with_config(
             KVZCHPerfConfig(), topology=topology, constraints=self._constraints)
-        storage = KVZCHStorageEstimator(topology, self._constraints, self._kvzch)
+        storage = KVZCHStorageEstimator(topology, self._constraints, self._estimated)
         enumerator = EmbeddingEnumerator(topology, batch_size, self._constraints,
                                          estimator=[perf, storage])
         super().__init__(topology=topology, batch_size=batch_size, enumerator=enumerator,
                          constraints=self._constraints, **kwargs)
 
     def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
-        self._check_tables(module)
+        self._kvzch.clear()
+        self._kvzch.update(self._declared_tables(module, sharders))
+        self._estimated.clear()
+        self._estimated.update((n, p) for n, p in self._kvzch.items()
+                               if isinstance(self._constraints[n], KVZCHConstraints))
         plan = super().plan(module, sharders)
         for module_plan in plan.plan.values():
-            names = [n for n, s in module_plan.items() if n in self._kvzch and s.compute_kernel == KVZCH_KERNEL]
-            group = tuple(self._kvzch[n] for n in sorted(names))
-            for name in names:
-                module_plan[name] = KVZCHParameterSharding.wrap(module_plan[name], self._kvzch[name], group)
+            for name, sharding in module_plan.items():
+                if name in self._kvzch and sharding.compute_kernel in VIRTUAL_KERNELS:
+                    module_plan[name] = KVZCHParameterSharding.wrap(sharding, self._kvzch[name])
         return plan
 
     def collective_plan(self, module: nn.Module, sharders=None, pg: dist.ProcessGroup | None = None):
         return super().collective_plan(module, sharders or kvzch_sharders(), pg)
 
-    def _check_tables(self, module: nn.Module) -> None:
-        """KV-ZCH tables must be declared as such in the model; other tables stay off our kernel
-        (these constraints are shared with the enumerator, so they apply to this plan)."""
-        declared = {}
+    def _declared_tables(self, module: nn.Module, sharders) -> dict[str, KVZCHTableParams]:
+        """Every KV-ZCH table of the model with its parameters; pins their constraints (these
+        are shared with the enumerator, so they apply to this plan)."""
+        tables, declared = {}, set()
         for m in module.modules():
             if isinstance(m, EmbeddingBagCollection):
-                declared.update((c.name, c) for c in m.embedding_bag_configs())
+                configs = m.embedding_bag_configs()
             elif isinstance(m, EmbeddingCollection):
-                declared.update((c.name, c) for c in m.embedding_configs())
-        for name, params in self._kvzch.items():
-            config = declared.get(name)
-            if config is None:
-                raise ValueError(f"KV-ZCH table '{name}' is not in the model; tables found: "
-                                 f"{sorted(declared)}")
-            if not config.use_virtual_table or config.total_num_buckets != params.total_num_buckets:
-                raise ValueError(
-                    f"KV-ZCH table '{name}' must be declared with use_virtual_table=True and "
-                    f"total_num_buckets={params.total_num_buckets} so TorchRec splits it at bucket "
-                    "boundaries; build its config with kvzch_embedding_bag_config / kvzch_embedding_config")
-        for name in declared.keys() - self._kvzch.keys():
-            given = self._constraints.get(name)
-            if given is None:
-                self._constraints[name] = ParameterConstraints(compute_kernels=OTHER_KERNELS)
-            elif given.compute_kernels is None:
-                given.compute_kernels = OTHER_KERNELS  # our copy
-            elif KVZCH_KERNEL in given.compute_kernels:
-                raise ValueError(f"table '{name}' is constrained to the KV-ZCH kernel but has no "
-                                 "KV-ZCH options; give it KVZCHConstraints(kvzch=KVZCHTableParams(...))")
+                configs = m.embedding_configs()
+            else:
+                continue
+            fused = next((s.fused_params for s in sharders if isinstance(m, s.module_type)), None)
+            for config in configs:
+                declared.add(config.name)
+                constraints = self._constraints.get(config.name)
+                kernel = _kvzch_kernel(config, constraints)
+                if kernel is None:
+                    continue
+                explicit = getattr(constraints, "kvzch", None)
+                if isinstance(constraints, KVZCHConstraints) and not isinstance(explicit, KVZCHTableParams):
+                    raise ValueError(f"table '{config.name}': KVZCHConstraints.kvzch must be a "
+                                     f"KVZCHTableParams, got {explicit!r}")
+                if explicit is not None and explicit.name != config.name:
+                    raise ValueError(f"table '{config.name}': its KVZCHConstraints carry the "
+                                     f"parameters of table '{explicit.name}'")
+                tables[config.name] = table_params(
+                    config, kernel, getattr(constraints, "key_value_params", None), fused, explicit)
+                self._constraints[config.name] = _pinned(config.name, constraints, kernel)
+        missing = sorted(n for n, c in self._constraints.items()
+                         if isinstance(c, KVZCHConstraints) and n not in declared)
+        if missing:
+            raise ValueError(f"KV-ZCH tables {missing} are not in the model; tables found: {sorted(declared)}")
+        return tables
 
 
-def _pinned(name: str, constraints: KVZCHConstraints) -> KVZCHTableParams:
-    """Validates a KV-ZCH table's constraints and restricts them to ROW_WISE on our kernel."""
-    params = constraints.kvzch
-    if not isinstance(params, KVZCHTableParams):
-        raise ValueError(f"table '{name}': KVZCHConstraints.kvzch must be a KVZCHTableParams, got {params!r}")
-    if params.name != name:
-        raise ValueError(f"table '{name}': its KVZCHConstraints carry the parameters of table '{params.name}'")
-    for attr, value in (("sharding_types", ROW_WISE), ("compute_kernels", KVZCH_KERNEL)):
-        current = getattr(constraints, attr)
-        if current is not None and value not in current:
-            raise ValueError(f"KV-ZCH table '{name}': constraint {attr}={current} excludes "
-                             f"{value!r}, the only option for KV-ZCH tables")
-        setattr(constraints, attr, [value])
-    return params
+def _kvzch_kernel(config, constraints: ParameterConstraints | None) -> str | None:
+    """The virtual-table kernel a table is declared on, or None for an ordinary table."""
+    kernels = getattr(constraints, "compute_kernels", None)
+    virtual = [k for k in kernels or () if k in VIRTUAL_KERNELS]
+    if not (virtual or config.use_virtual_table or isinstance(constraints, KVZCHConstraints)):
+        return None
+    if kernels and not virtual:
+        raise ValueError(f"KV-ZCH table '{config.name}': constraint compute_kernels={kernels} has no "
+                         f"virtual-table kernel; a table declared with use_virtual_table=True (or "
+                         f"KVZCHConstraints) is planned on one of {list(VIRTUAL_KERNELS)}")
+    return virtual[0] if virtual else KVZCH_KERNEL
+
+
+def _pinned(name: str, constraints: ParameterConstraints | None, kernel: str) -> ParameterConstraints:
+    """The table's constraints restricted to ROW_WISE on ``kernel``."""
+    constraints = constraints if constraints is not None else ParameterConstraints()
+    current = constraints.sharding_types
+    if current is not None and ROW_WISE not in current:
+        raise ValueError(f"KV-ZCH table '{name}': constraint sharding_types={current} excludes "
+                         f"'{ROW_WISE}', the only sharding of KV-ZCH tables (by buckets)")
+    constraints.sharding_types, constraints.compute_kernels = [ROW_WISE], [kernel]
+    return constraints

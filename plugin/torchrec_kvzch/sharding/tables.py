@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
 from torchrec_kvzch.kernel import KVZCHTableKernel
 from torchrec_kvzch.params import KVZCHTableParams
@@ -34,7 +34,9 @@ def _common(params: KVZCHTableParams, feature_names: Sequence[str]) -> dict:
         raise ValueError(f"KV-ZCH table '{params.name}': give at least one feature name")
     return dict(name=params.name, embedding_dim=params.embedding_dim,
                 num_embeddings=params.num_embeddings, feature_names=list(feature_names),
-                total_num_buckets=params.total_num_buckets, use_virtual_table=True)
+                total_num_buckets=params.total_num_buckets, use_virtual_table=True,
+                data_type=DataType.FP16 if params.weight_dtype == "fp16" else DataType.FP32,
+                weight_init_min=params.init_range[0], weight_init_max=params.init_range[1])
 
 
 def kvzch_kernels(model: nn.Module) -> Iterator[KVZCHEmbeddingKernel]:

@@ -3,10 +3,15 @@
 The kernel calls ``Evictor.before_insert(ids)`` in each forward before looking the batch up, the
 one moment no fused update is pending (a delete moves rows between slots). Three triggers:
 
-* a periodic pass (``ttl``, ``lfu``) every ``interval_steps`` steps of the store's clock:
-  ``ttl`` drops rows not touched for more than ``ttl_steps`` steps; ``lfu`` first decays every
-  row's access count (``count := floor(count * count_decay)``), then drops rows whose count is
-  below ``count_threshold``;
+* a pass of the policy's rule (``ttl``, ``lfu``, ``l2``) when its trigger says so (every
+  ``interval_steps`` steps of the store's clock by default; past a row count or a byte size;
+  below an amount of free host memory; or only on request, ``run_pass``): ``ttl`` drops rows
+  not touched for more than ``ttl_steps`` steps or ``ttl_minutes`` minutes; ``lfu`` first decays
+  every row's access count (``count := floor(count * count_decay)``), then drops rows whose
+  count is below ``count_threshold`` (with a TTL: only those also past it); ``l2`` drops rows
+  whose weights' L2 norm is below ``l2_threshold``. Headers count time in steps; for a
+  wall-clock TTL the evictor notes when steps happened (``time_source``, injectable for tests,
+  one note a second at most) and finds the last step older than the TTL;
 * the table's budget (``max_rows``, ``max_bytes`` per table shard): when the batch's new rows
   would take the shard past it, the least valuable rows go first - oldest timestamp for ``lru``
   and ``ttl``, lowest count (then oldest) for ``lfu``, ties by ascending id - down to 1/64 below
@@ -26,14 +31,16 @@ header words (8 bytes a row, once per freeze), not whole rows.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
-from torchrec_kvzch.params import EvictionKind, EvictionPolicy, RankBudget
+from torchrec_kvzch.params import EvictionKind, EvictionPolicy, EvictionTrigger, RankBudget
 from torchrec_kvzch.store.layout import meta_count, meta_timestamp
 
 _COUNT_SHIFT = 32
@@ -132,6 +139,9 @@ class Evictor:
         self.kind = EvictionKind(self.policy.kind)
         self.max_rows = budget_rows(self.policy, lambda rows: budget_bytes(store, rows))
         self.shared: SharedBudget | None = None  # set by SharedBudget.attach
+        self.time_source: Callable[[], float] = time.time  # seconds; for ttl_minutes
+        self.available_memory: Callable[[], int] = _available_memory  # bytes; free_memory trigger
+        self._step_times: collections.deque = collections.deque()  # (step, seconds), ascending
 
     def before_insert(self, ids: torch.Tensor) -> int:
         """Run a due pass, then make room for the batch ``ids`` under the table's budget and the
@@ -150,13 +160,25 @@ class Evictor:
             self.store.count(self.store.evicted_per_bucket, ids)
         return victims.numel()
 
+    def run_pass(self) -> int:
+        """Run the policy's pass now (``trigger="manual"``, or between steps for any trigger);
+        returns the rows evicted. Refused while a fused update of this store is pending."""
+        if self.store.in_flight is not None:
+            raise RuntimeError(f"KV-ZCH table '{self.store.params.name}': an eviction pass cannot run "
+                               "between a forward and its backward; run it after the step")
+        if self.kind not in _PASS_KINDS:
+            return 0
+        self._note_time()
+        return self.remove(self._expired())
+
     def _own_policy(self, ids: torch.Tensor) -> int:
         store = self.store
         ids = store._check_ids(ids)
         present = store.find(ids)
         protected = _batch_rows(store, present)
         doomed = torch.zeros_like(protected)
-        if self.kind in (EvictionKind.TTL, EvictionKind.LFU) and store.clock % self.policy.interval_steps == 0:
+        self._note_time()
+        if self.kind in _PASS_KINDS and self._pass_due():
             doomed |= self._expired() & ~protected
         if self.max_rows is not None:
             new = _new_rows(ids, present)
@@ -170,17 +192,65 @@ class Evictor:
                 doomed |= extra
         return self.remove(doomed)
 
+    def _pass_due(self) -> bool:
+        policy, store = self.policy, self.store
+        trigger = policy.trigger
+        if trigger is EvictionTrigger.INTERVAL:
+            return store.clock % policy.interval_steps == 0
+        if trigger is EvictionTrigger.ROWS:
+            return len(store) > policy.trigger_rows
+        if trigger is EvictionTrigger.BYTES:
+            return budget_bytes(store, len(store)) > policy.trigger_bytes
+        if trigger is EvictionTrigger.FREE_MEMORY:
+            return (store.clock % policy.interval_steps == 0
+                    and self.available_memory() < policy.free_memory_bytes)
+        return False  # manual
+
     def _expired(self) -> torch.Tensor:
-        """The periodic pass's verdict per live row (``lfu``: after decaying the counts)."""
-        store = self.store
+        """The pass's verdict per live row (``lfu``: after decaying the counts)."""
+        store, policy = self.store, self.policy
         meta = store.meta[: len(store)]
+        if self.kind is EvictionKind.L2:
+            return store.weights[: len(store)].float().norm(dim=1) < policy.l2_threshold
         if self.kind is EvictionKind.TTL:
-            return store.clock - meta_timestamp(meta) > self.policy.ttl_steps
-        if self.policy.count_decay < 1.0:
-            count = (meta_count(meta).double() * self.policy.count_decay).floor().long()
+            return self._past_ttl(meta)
+        if policy.count_decay < 1.0:
+            count = (meta_count(meta).double() * policy.count_decay).floor().long()
             store.before_header_rewrite()
             meta.copy_((meta & ~(_COUNT_MASK << _COUNT_SHIFT)) | (count << _COUNT_SHIFT))
-        return meta_count(meta) < self.policy.count_threshold
+        rare = meta_count(meta) < policy.count_threshold
+        if policy.ttl_steps is None and policy.ttl_minutes is None:
+            return rare
+        return rare & self._past_ttl(meta)
+
+    def _past_ttl(self, meta: torch.Tensor) -> torch.Tensor:
+        stamps = meta_timestamp(meta)
+        if self.policy.ttl_steps is not None:
+            return self.store.clock - stamps > self.policy.ttl_steps
+        return stamps < self._last_expired_step()
+
+    def _note_time(self) -> None:
+        """Remember when this step happened (wall-clock TTL only), at most once a second; drop
+        the notes no cut-off can need any more (all but the newest one past the TTL)."""
+        if self.policy.ttl_minutes is None:
+            return
+        now, notes = self.time_source(), self._step_times
+        if not notes or now - notes[-1][1] >= 1.0:
+            notes.append((self.store.clock, now))
+        cutoff = now - self.policy.ttl_minutes * 60.0
+        while len(notes) > 1 and notes[1][1] < cutoff:
+            notes.popleft()
+
+    def _last_expired_step(self) -> int:
+        """Rows stamped before the returned step were last touched more than ``ttl_minutes``
+        ago. A step is as old as the newest note at or before it; rows from before the first
+        note (e.g. loaded from a checkpoint) count as touched at the first note."""
+        cutoff = self.time_source() - self.policy.ttl_minutes * 60.0
+        notes = self._step_times
+        if not notes or notes[0][1] >= cutoff:
+            return -1
+        fresh = [step for step, seconds in notes if seconds >= cutoff]
+        return fresh[0] if fresh else self.store.clock + 1
 
 
 class SharedBudget:
@@ -250,6 +320,21 @@ class SharedBudget:
         # Rows chosen in a store whose fused update is pending stay until its next forward.
         return sum(s.evictor.remove(mask) for s, mask in zip(stores, doomed)
                    if s is store or s.in_flight is None)
+
+
+_PASS_KINDS = (EvictionKind.TTL, EvictionKind.LFU, EvictionKind.L2)
+
+
+def _available_memory() -> int:
+    """The host's available memory in bytes (``MemAvailable``; free pages where unknown)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _batch_rows(store, present: torch.Tensor) -> torch.Tensor:

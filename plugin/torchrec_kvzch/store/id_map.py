@@ -195,7 +195,7 @@ def empty_large(shape, dtype: torch.dtype, device: torch.device, native: bool) -
 def release_rows(tensor: torch.Tensor, start: int, end: int, native: bool) -> None:
     """Give the memory of rows ``[start, end)`` of a CPU buffer back to the OS (whole pages only;
     they read as zeros if touched again): dead rows past a store's end after a compaction."""
-    if native and tensor.device.type == "cpu" and end > start:
+    if native and tensor.device.type == "cpu" and end > start and tensor.numel():  # SGD: no state
         row_bytes = tensor.stride(0) * tensor.element_size()
         torch.ops.kvzch.release_pages(tensor, start * row_bytes, end * row_bytes)
 

@@ -1,0 +1,373 @@
+"""TorchRec's own KV-ZCH declarations: every field honoured or refused, planned by our planner
+and by TorchRec's stock one, trained like the same table declared natively."""
+
+import logging
+
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.tbe.ssd.ssd_config import KVZCHTBEConfig
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import KeyValueParams
+from torchrec.modules.embedding_configs import (
+    CountBasedEvictionPolicy,
+    CountTimestampMixedEvictionPolicy,
+    DataType,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    FeatureL2NormBasedEvictionPolicy,
+    FeatureScoreBasedEvictionPolicy,
+    NoEvictionPolicy,
+    TimestampBasedEvictionPolicy,
+)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from torchrec_kvzch import KVZCHTableParams
+from torchrec_kvzch.params import EvictionPolicy
+from torchrec_kvzch.sharding import KVZCH_KERNEL, KVZCHParameterSharding, kvzch_sharders, table_params
+from torchrec_kvzch.sharding.planner import KVZCHConstraints, KVZCHShardingPlanner
+
+ROWS, BUCKETS = 2**20, 8
+MEMORY = KeyValueParams(l2_cache_size=4)  # TorchRec's default trigger: past 4 GB
+
+
+def config(policy=None, cls=EmbeddingBagConfig, name="t", **fields):
+    return cls(name=name, embedding_dim=16, num_embeddings=ROWS, feature_names=[f"f_{name}"],
+               use_virtual_table=True, total_num_buckets=BUCKETS,
+               virtual_table_eviction_policy=policy, **fields)
+
+
+@pytest.mark.parametrize("policy, key_value, expected", [
+    (None, None, EvictionPolicy()),
+    (NoEvictionPolicy(), None, EvictionPolicy()),
+    (TimestampBasedEvictionPolicy(eviction_ttl_mins=90), MEMORY,
+     EvictionPolicy(kind="ttl", ttl_minutes=90, trigger="bytes", trigger_bytes=4 << 30)),
+    (TimestampBasedEvictionPolicy(eviction_ttl_mins=0), None, EvictionPolicy()),  # 0: no eviction
+    (CountBasedEvictionPolicy(eviction_threshold=3, decay_rate=0.5), MEMORY,
+     EvictionPolicy(kind="lfu", count_threshold=3, count_decay=0.5, trigger="bytes", trigger_bytes=4 << 30)),
+    (CountTimestampMixedEvictionPolicy(eviction_threshold=2, decay_rate=0.9, eviction_ttl_mins=60), MEMORY,
+     EvictionPolicy(kind="lfu", count_threshold=2, count_decay=0.9, ttl_minutes=60, trigger="bytes",
+                    trigger_bytes=4 << 30)),
+    (CountTimestampMixedEvictionPolicy(eviction_threshold=0, eviction_ttl_mins=60), MEMORY,
+     EvictionPolicy(kind="ttl", ttl_minutes=60, trigger="bytes", trigger_bytes=4 << 30)),
+    (FeatureL2NormBasedEvictionPolicy(eviction_threshold=0.25), MEMORY,
+     EvictionPolicy(kind="l2", l2_threshold=0.25, trigger="bytes", trigger_bytes=4 << 30)),
+    (CountBasedEvictionPolicy(eviction_threshold=3, training_id_eviction_trigger_count=500),
+     KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=4)),
+     EvictionPolicy(kind="lfu", count_threshold=3, count_decay=0.99, trigger="rows", trigger_rows=500)),
+    (TimestampBasedEvictionPolicy(eviction_ttl_mins=5),
+     KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=3)),
+     EvictionPolicy(kind="ttl", ttl_minutes=5, trigger="manual")),
+    (TimestampBasedEvictionPolicy(eviction_ttl_mins=5),
+     KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=5,
+                                                     eviction_free_mem_threshold_gb=2,
+                                                     eviction_free_mem_check_interval_batch=10)),
+     EvictionPolicy(kind="ttl", ttl_minutes=5, trigger="free_memory", free_memory_bytes=2 << 30,
+                    interval_steps=10)),
+])
+def test_every_upstream_eviction_policy_maps_to_ours(policy, key_value, expected):
+    params = table_params(config(policy), KVZCH_KERNEL, key_value)
+    assert params.eviction == expected.validate("t")
+
+
+@pytest.mark.parametrize("policy, key_value, message", [
+    (FeatureScoreBasedEvictionPolicy(enable_auto_feature_score_collection=True), MEMORY,
+     "FeatureScoreBasedEvictionPolicy is not supported"),
+    (TimestampBasedEvictionPolicy(), None, "l2_cache_size .* is not set"),
+    (TimestampBasedEvictionPolicy(), KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=1)),
+     "mode 1 .* has no N"),
+    (CountBasedEvictionPolicy(), KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=4)),
+     "training_id_eviction_trigger_count is 0"),
+    (CountBasedEvictionPolicy(decay_rate=1.5), MEMORY, "count_decay must be in"),
+    (None, KeyValueParams(enable_raw_embedding_streaming=True), "enable_raw_embedding_streaming is not supported"),
+    (None, KeyValueParams(ps_hosts=(("::1", 2000),)), "ps_hosts is not supported"),
+    (None, KeyValueParams(load_ckpt_without_opt=True), "load_optimizer=False"),
+    (None, KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(load_ckpt_without_opt=True)),
+     "KVZCHTBEConfig.load_ckpt_without_opt is not supported"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(policy, key_value, message):
+    with pytest.raises(ValueError, match=f"KV-ZCH table 't': .*{message}"):
+        table_params(config(policy), KVZCH_KERNEL, key_value)
+
+
+def test_config_fields_are_honoured():
+    params = table_params(config(weight_init_min=-0.5, weight_init_max=0.5, data_type=DataType.FP16))
+    assert (params.init_range, params.weight_dtype) == ((-0.5, 0.5), "fp16")
+    # TorchRec's DRAM backends keep optimizer state in the store and return whole rows.
+    assert params.enable_optimizer_offloading and params.backend_return_whole_row
+    default = table_params(config())
+    assert default.init_range[1] == pytest.approx(1.58e-5, rel=1e-2)  # TorchRec's virtual-table default
+    with pytest.raises(ValueError, match="data_type INT8 is not supported"):
+        table_params(config(data_type=DataType.INT8))
+    for flag in ("enable_embedding_update", "stash_weights", "need_pos"):
+        with pytest.raises(ValueError, match=f"{flag}=True .* is not supported"):
+            table_params(config(**{flag: True}))
+    with pytest.raises(ValueError, match="use_virtual_table=True and total_num_buckets"):
+        table_params(EmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=ROWS, feature_names=["f"]))
+
+
+def test_ssd_kernels_are_served_from_dram_with_a_notice(caplog):
+    with caplog.at_level(logging.WARNING):
+        params = table_params(config(name="ssd_t"), "ssd_virtual_table",
+                              KeyValueParams(ssd_storage_directory="/tmp/x", max_l1_cache_size=64))
+    assert "'ssd_virtual_table' is served by the DRAM row store" in caplog.text
+    assert "KeyValueParams.ssd_storage_directory configures SSD placement" in caplog.text
+    assert params.enable_optimizer_offloading and not params.backend_return_whole_row  # as upstream's SSD
+
+
+def test_fused_params_fill_what_a_table_leaves_unset():
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.3, "eps": 0.01,
+             "cache_load_factor": 0.2}
+    upstream = table_params(config(), fused_params=fused)
+    assert (upstream.optimizer.value, upstream.learning_rate, upstream.eps) == ("exact_sgd", 0.3, 0.01)
+    own = KVZCHTableParams("t", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS, learning_rate=0.05,
+                           init_range=(-0.01, 0.01))
+    merged = table_params(config(weight_init_min=-0.01, weight_init_max=0.01), fused_params=fused, explicit=own)
+    assert (merged.optimizer.value, merged.learning_rate, merged.eps) == ("exact_sgd", 0.05, 0.01)
+    bare = KVZCHTableParams("t", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS)
+    assert (bare.optimizer.value, bare.learning_rate, bare.eps) == ("exact_row_wise_adagrad", 0.01, 1e-8)
+    for key, value, message in [("weight_decay", 0.1, "weight_decay=0.1 is not supported"),
+                                ("optimizer", EmbOptimType.LAMB, "optimizer .* is not supported"),
+                                ("mystery_knob", 1, "'mystery_knob' is not understood"),
+                                ("l2_cache_size", 4, "key_value_params=KeyValueParams")]:
+        with pytest.raises(ValueError, match=message):
+            table_params(config(), fused_params={key: value})
+
+
+def test_a_contradiction_between_config_and_kvzch_params_is_an_error():
+    own = KVZCHTableParams("t", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS)
+    for fields, message in [(dict(data_type=DataType.FP16), "data_type is fp16, its KVZCHTableParams' weight_dtype fp32"),
+                            (dict(weight_init_max=0.5), "weight_init_max is 0.5"),
+                            (dict(policy=TimestampBasedEvictionPolicy(eviction_ttl_mins=3)), "declare eviction once")]:
+        policy = fields.pop("policy", None)
+        with pytest.raises(ValueError, match=message):
+            table_params(config(policy, **fields), KVZCH_KERNEL, MEMORY, explicit=own)
+
+
+# -- planning ----------------------------------------------------------------------------------
+def upstream_model(policy=None):
+    plain = EmbeddingBagConfig(name="plain", embedding_dim=8, num_embeddings=1000, feature_names=["f_plain"])
+    return EmbeddingBagCollection(tables=[config(policy, name="user"), plain], device=torch.device("meta"))
+
+
+def test_our_planner_plans_upstream_declarations_without_a_batch_size():
+    topology = Topology(world_size=2, compute_device="cpu")
+    for constraints in ({"user": ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["dram_virtual_table"],
+                                                      key_value_params=KeyValueParams())},
+                        {}):  # a virtual table with no constraints at all is a KV-ZCH table too
+        plan = KVZCHShardingPlanner(topology, constraints=constraints).plan(upstream_model(), kvzch_sharders()).plan[""]
+        assert (plan["user"].sharding_type, plan["user"].compute_kernel) == ("row_wise", "dram_virtual_table")
+        assert isinstance(plan["user"], KVZCHParameterSharding) and plan["user"].kvzch.name == "user"
+        assert plan["plain"].compute_kernel == "fused"
+    with pytest.raises(ValueError, match="KV-ZCH table 'user': constraint compute_kernels=\\['fused'\\]"):
+        KVZCHShardingPlanner(topology, constraints={"user": ParameterConstraints(compute_kernels=["fused"])}).plan(
+            upstream_model(), kvzch_sharders())
+    with pytest.raises(ValueError, match="FeatureScoreBasedEvictionPolicy is not supported"):
+        KVZCHShardingPlanner(topology).plan(upstream_model(FeatureScoreBasedEvictionPolicy()), kvzch_sharders())
+
+
+def test_torchrecs_stock_planner_takes_our_sharders():
+    ordinary = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name="plain", embedding_dim=8, num_embeddings=1000, feature_names=["f"])], device=torch.device("meta"))
+    plan = EmbeddingShardingPlanner(Topology(world_size=2, compute_device="cpu")).plan(ordinary, kvzch_sharders())
+    assert plan.plan[""]["plain"].compute_kernel == "fused"  # never a virtual-table kernel unless asked
+    # On CUDA it prices virtual-table kernels itself: upstream declarations plan unchanged.
+    constraints = {"user": ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["dram_virtual_table"])}
+    plan = EmbeddingShardingPlanner(Topology(world_size=2, compute_device="cuda"), constraints=constraints).plan(
+        upstream_model(), kvzch_sharders()).plan[""]
+    assert (plan["user"].sharding_type, plan["user"].compute_kernel) == ("row_wise", "dram_virtual_table")
+
+
+def test_kvzch_constraints_still_plan_with_our_planner():
+    own = KVZCHTableParams("user", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS, expected_rows=1000)
+    model = EmbeddingBagCollection(tables=[config(name="user", weight_init_min=-0.01, weight_init_max=0.01)],
+                                   device=torch.device("meta"))
+    plan = KVZCHShardingPlanner(Topology(world_size=2, compute_device="cpu"),
+                                constraints={"user": KVZCHConstraints(kvzch=own)}).plan(model, kvzch_sharders())
+    assert plan.plan[""]["user"].kvzch == own
+
+
+def test_sequence_tables_are_declared_the_same_way():
+    model = EmbeddingCollection(tables=[config(cls=EmbeddingConfig, name="seq")], device=torch.device("meta"))
+    plan = KVZCHShardingPlanner(Topology(world_size=2, compute_device="cpu")).plan(model, kvzch_sharders())
+    assert plan.plan[""]["seq"].compute_kernel == "dram_virtual_table"
+
+
+# -- training: 1 and 2 ranks ---------------------------------------------------------------------
+TRIGGER_ROWS = KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=4))
+POLICIES = {
+    "none": None,
+    "timestamp": TimestampBasedEvictionPolicy(eviction_ttl_mins=1, training_id_eviction_trigger_count=20),
+    "count": CountBasedEvictionPolicy(eviction_threshold=2, decay_rate=0.5, training_id_eviction_trigger_count=20),
+    "mixed": CountTimestampMixedEvictionPolicy(eviction_threshold=2, decay_rate=1.0, eviction_ttl_mins=1,
+                                               training_id_eviction_trigger_count=20),
+    "l2": FeatureL2NormBasedEvictionPolicy(eviction_threshold=1.0, training_id_eviction_trigger_count=20),
+}
+
+
+class _BagsAndSequences(torch.nn.Module):
+    """An EBC and an EC side by side: sums both outputs."""
+
+    def __init__(self, configs) -> None:
+        super().__init__()
+        meta = torch.device("meta")
+        self.ebc = EmbeddingBagCollection(tables=[c for c in configs if isinstance(c, EmbeddingBagConfig)], device=meta)
+        self.ec = EmbeddingCollection(tables=[c for c in configs if isinstance(c, EmbeddingConfig)], device=meta)
+
+    def forward(self, bags, sequences):
+        return self.ebc(bags).values().sum() + sum(j.values().sum() for j in self.ec(sequences).values())
+
+
+def _dmp(rank, world, configs, constraints, fused, planner_cls=KVZCHShardingPlanner):
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    if all(isinstance(c, EmbeddingBagConfig) for c in configs):
+        module = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    else:
+        module = _BagsAndSequences(configs)
+    sharders = kvzch_sharders(fused_params=fused)
+    planner = planner_cls(Topology(world_size=world, compute_device="cpu", local_world_size=world),
+                          constraints=constraints)
+    plan = planner.collective_plan(module, sharders, dist.group.WORLD)
+    return DistributedModelParallel(module, device=torch.device("cpu"), plan=plan, sharders=sharders,
+                                    env=ShardingEnv.from_process_group(dist.group.WORLD))
+
+
+def _batch(rank, step, keys, weights=None):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    # 4 examples x 2 ids per key, out of 64 ids spread over every bucket (so every rank's shard)
+    ids = [torch.randint(0, 64, (8,), generator=gen) * (ROWS // 64) for _ in keys]
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(ids), lengths=torch.full((4 * len(keys),), 2),
+                             weights=weights)
+
+
+def _rows(dmp, name):
+    from torchrec_kvzch.sharding.tables import kvzch_tables
+
+    kernel = dict(kvzch_tables(dmp))[name]
+    store = kernel.store
+    ids = store.map.keys()[: len(store)].clone()
+    order = torch.argsort(ids)
+    return kernel, ids[order], store.weights[: len(store)][order].clone()
+
+
+def train_declared(rank, world, policy_name):
+    """The upstream declaration of KV-ZCH tables (pooled and sequence) trains; their fields and
+    policy are honoured."""
+    now = [0.0]
+    policy = POLICIES[policy_name]
+    user = config(policy, name="user", weight_init_min=-0.5, weight_init_max=0.5)
+    seq = config(policy, cls=EmbeddingConfig, name="seq", data_type=DataType.FP16)
+    constraints = {name: ParameterConstraints(sharding_types=["row_wise"], compute_kernels=[kernel],
+                                              key_value_params=TRIGGER_ROWS)
+                   for name, kernel in (("user", "dram_virtual_table"), ("seq", "ssd_virtual_table"))}
+    dmp = _dmp(rank, world, [user, seq], constraints,
+               {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
+    for name in ("user", "seq"):
+        _rows(dmp, name)[0].store.evictor.time_source = lambda: now[0]
+    for step in range(12):
+        now[0] = 60.0 * step  # a minute a step: rows older than a step pass a 1-minute TTL
+        dmp(_batch(rank, step, ["f_user"]), _batch(rank, step, ["f_seq"])).backward()
+    results = {}
+    for name in ("user", "seq"):
+        kernel, ids, weights = _rows(dmp, name)
+        params = kernel.params
+        results[name] = dict(
+            eviction=params.eviction.kind.value, optimizer=params.optimizer.value, lr=params.learning_rate,
+            init=params.init_range, whole=params.backend_return_whole_row, dtype=weights.dtype,
+            evicted=int(kernel.store.evicted_per_bucket.sum()), dim=weights.shape[1],
+            fresh=kernel.store.peek(kernel.store.bucket_range.id_start + 1 + torch.arange(1000)).abs().max().item())
+    return results
+
+
+@pytest.fixture(scope="module")
+def pools():
+    from _dist import RankPool
+
+    started = {w: RankPool(w, timeout=300) for w in (1, 2)}
+    yield started
+    for pool in started.values():
+        pool.close()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_upstream_policies_train_on_one_and_two_ranks(pools, world):
+    kinds = {"none": "none", "timestamp": "ttl", "count": "lfu", "mixed": "lfu", "l2": "l2"}
+    fp16_init = (-0.001, 0.001)  # TorchRec's default for fp16 virtual tables
+    for name, kind in kinds.items():
+        for result in pools[world].run(train_declared, name):
+            user, seq = result["user"], result["seq"]
+            for table in (user, seq):
+                assert (table["eviction"], table["optimizer"], table["lr"]) == (kind, "exact_sgd", 0.1)
+                # Passes start past 20 rows a shard: every policy but none drops rows (64 ids seen).
+                assert (table["evicted"] > 0) == (name != "none"), (name, table)
+            assert user["init"] == (-0.5, 0.5) and user["whole"] and user["dtype"] == torch.float32
+            assert seq["init"] == fp16_init and not seq["whole"] and seq["dtype"] == torch.float16
+            # New rows start in the declared range, and fill it.
+            assert 0.45 < user["fresh"] <= 0.5 and 0.0009 < seq["fresh"] <= 0.00101  # (fp16 rounding)
+            assert user["dim"] == seq["dim"] == 16
+
+
+def train_twins(rank, world):
+    """An upstream-declared table and the same table declared natively train bit for bit alike;
+    per-sample weights on an unweighted module never scale KV-ZCH outputs; lr = 0 freezes rows
+    and a LambdaLR warm-up scales SGD updates."""
+    upstream = config(name="user", weight_init_min=-0.5, weight_init_max=0.5, data_type=DataType.FP16)
+    native = KVZCHTableParams("user", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS, weight_dtype="fp16",
+                              init_range=(-0.5, 0.5), enable_optimizer_offloading=True,
+                              backend_return_whole_row=True)
+    from torchrec_kvzch.sharding import kvzch_embedding_bag_config
+
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+    a = _dmp(rank, world, [upstream], {}, fused)
+    b = _dmp(rank, world, [kvzch_embedding_bag_config(native, ["f_user"])],
+             {"user": KVZCHConstraints(kvzch=native)}, fused)
+    out = []
+    for step in range(4):
+        oa, ob = (m(_batch(rank, step, ["f_user"])).wait().values() for m in (a, b))
+        oa.sum().backward(), ob.sum().backward()
+        out.append(torch.equal(oa, ob))
+    (_, ids_a, rows_a), (_, ids_b, rows_b) = _rows(a, "user"), _rows(b, "user")
+    same = all(out) and torch.equal(ids_a, ids_b) and torch.equal(rows_a.view(torch.int16), rows_b.view(torch.int16))
+    assert rows_a.dtype == torch.float16
+
+    with torch.no_grad():  # feature scores on the batch (an unweighted module): never a factor
+        plain = a(_batch(rank, 9, ["f_user"])).wait().values()
+        scored = a(_batch(rank, 9, ["f_user"], weights=torch.full((8,), 0.25))).wait().values()
+    unscaled = torch.equal(plain, scored)
+
+    def step_moves(batch):
+        """The largest move of a row that existed before a training step on ``batch``."""
+        _, ids, before = _rows(a, "user")
+        a(batch).wait().values().sum().backward()
+        _, ids_after, after = _rows(a, "user")
+        kept = torch.isin(ids_after, ids)  # the step may add rows; none is evicted here
+        return (before.float() - after[kept].float()).abs().max().item()
+
+    opt = a.fused_optimizer
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    batch = _batch(rank, 3, ["f_user"])  # ids seen before: their rows exist
+    frozen = step_moves(batch) == 0.0
+    for group in opt.param_groups:
+        group["lr"] = 0.1
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)  # warm-up at half the rate
+    delta = step_moves(batch)
+    scheduler.step()
+    return dict(same=same, unscaled=unscaled, frozen=frozen, delta=delta, lrs=[g["lr"] for g in opt.param_groups])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_upstream_and_native_declarations_train_alike_and_follow_the_lr(pools, world):
+    for result in pools[world].run(train_twins):
+        assert result["same"] and result["unscaled"] and result["frozen"], result
+        # SUM pooling of a summed loss: each id's gradient is its count, divided by the world
+        # size (TorchRec's gradient division); at lr 0.05 a row moves by 0.05 x count / world,
+        # up to fp16 rounding.
+        unit = 0.05 / world
+        assert result["delta"] == pytest.approx(unit * round(result["delta"] / unit), abs=2e-3)
+        assert result["delta"] >= unit - 2e-3 and result["lrs"] == [0.05]

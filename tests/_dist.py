@@ -143,3 +143,23 @@ class RankPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def sharded(module, constraints=None, fused_params=None, batch_size=None):
+    """``module`` planned by ``KVZCHShardingPlanner`` for this process group's WORLD (CPU, gloo)
+    and wrapped in DMP with our sharders: how most multi-rank tests build their model."""
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.types import ShardingEnv
+
+    from torchrec_kvzch.sharding import KVZCHShardingPlanner, kvzch_sharders
+
+    world = dist.get_world_size()
+    sharders = kvzch_sharders(fused_params)
+    planner = KVZCHShardingPlanner(Topology(world_size=world, compute_device="cpu", local_world_size=world),
+                                   batch_size=batch_size, constraints=constraints)
+    plan = planner.collective_plan(module, sharders, dist.group.WORLD)
+    return DistributedModelParallel(module, device=torch.device("cpu"), plan=plan, sharders=sharders,
+                                    env=ShardingEnv.from_process_group(dist.group.WORLD))

@@ -15,19 +15,16 @@ from hypothesis import given, settings, strategies as st
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import Topology
-from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from _dist import run_ranks
+from _dist import run_ranks, sharded
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.checkpoint.planner import KVZCHLoadPlanner, KVZCHSavePlanner
 from torchrec_kvzch.checkpoint.staging import KVZCHAsyncStager
 from torchrec_kvzch.checkpoint.state_dict import kv_view
-from torchrec_kvzch.sharding import KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config, kvzch_sharders, kvzch_tables
+from torchrec_kvzch.sharding import KVZCHConstraints, kvzch_embedding_bag_config, kvzch_tables
 
 BUCKETS = 12  # uneven on 5 and 7 ranks, even on 1, 2, 3
 
@@ -44,12 +41,8 @@ def build(world_size, chunk, dims=(("user", 8), ("item", 12)), whole_row=True):
     plain = EmbeddingBagConfig(name="plain", embedding_dim=4, num_embeddings=50, feature_names=["f_plain"])
     ebc = EmbeddingBagCollection(tables=[kvzch_embedding_bag_config(t, [f"f_{t.name}"]) for t in kv] + [plain],
                                  device=torch.device("meta"))
-    planner = KVZCHShardingPlanner(Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
-                                   batch_size=64, constraints={t.name: KVZCHConstraints(kvzch=t) for t in kv})
-    sharders = kvzch_sharders({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1})
-    plan = planner.collective_plan(ebc, sharders, dist.group.WORLD)
-    return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=sharders,
-                                    env=ShardingEnv.from_process_group(dist.group.WORLD))
+    return sharded(ebc, {t.name: KVZCHConstraints(kvzch=t) for t in kv},
+                   {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}, batch_size=64)
 
 
 def batch(seed, n=16, names=("user", "item")):

@@ -22,19 +22,16 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import Topology
-from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from _dist import RankPool
+from _dist import RankPool, sharded
 from torchrec_kvzch import KVTensor, KVZCHTableParams, RowPart, RowStore
 from torchrec_kvzch.checkpoint.planner import (
     PLANNER_DATA_KEY, CheckpointMappings, KVZCHLoadPlanner, KVZCHSavePlanner, saved_record)
 from torchrec_kvzch.checkpoint.state_dict import kv_view
-from torchrec_kvzch.sharding import KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config, kvzch_sharders, kvzch_tables
+from torchrec_kvzch.sharding import KVZCHConstraints, kvzch_embedding_bag_config, kvzch_tables
 from torchrec_kvzch.store.layout import make_meta, meta_timestamp, meta_used
 
 BUCKETS, BUCKET_SIZE = 6, 2**30
@@ -51,13 +48,8 @@ def build(buckets=BUCKETS, dim=8, num_embeddings=NUM_EMBEDDINGS):
     plain = EmbeddingBagConfig(name="plain", embedding_dim=8, num_embeddings=40, feature_names=["f_plain"])
     ebc = EmbeddingBagCollection(tables=[kvzch_embedding_bag_config(t, [f"f_{t.name}"]) for t in kv] + [plain],
                                  device=torch.device("meta"))
-    world = dist.get_world_size()
-    planner = KVZCHShardingPlanner(Topology(world_size=world, compute_device="cpu", local_world_size=world),
-                                   batch_size=16, constraints={t.name: KVZCHConstraints(kvzch=t) for t in kv})
-    sharders = kvzch_sharders({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1})
-    plan = planner.collective_plan(ebc, sharders, dist.group.WORLD)
-    return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=sharders,
-                                    env=ShardingEnv.from_process_group(dist.group.WORLD))
+    return sharded(ebc, {t.name: KVZCHConstraints(kvzch=t) for t in kv},
+                   {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}, batch_size=16)
 
 
 def train(model, seed, steps=3, n=24):

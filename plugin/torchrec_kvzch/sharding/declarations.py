@@ -5,8 +5,9 @@ TorchRec declares a KV-ZCH table in three places: its table config (``use_virtua
 ``data_type``), its planner constraints (``compute_kernels=["dram_virtual_table"]``,
 ``key_value_params``) and the sharders' ``fused_params`` (optimizer, learning rate, eps).
 ``table_params`` reads all three. Each field is honoured, or refused with a ``ValueError`` that
-names the table, the field and what to do; fields that only place or cache rows on SSD, or only
-matter when publishing for inference, change nothing a DRAM store computes and are logged once.
+names the table, the field and what to do. Fields that only place or cache rows on SSD change
+nothing a DRAM store computes and are logged once; the policies' ``inference_*`` fields are read
+only when publishing for inference, which training never does (docs/porting.md lists them all).
 
 Precedence, where two declarations say the same thing: a table's own beats the sharders'
 (``KVZCHTableParams`` fields that are set, then the config), and the sharders' ``fused_params``
@@ -248,7 +249,7 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
         elif key in ("beta1", "beta2"):
             continue  # Adam only, which the kernel refuses anyway
         elif key in _FIXED_KEYS:
-            if str(getattr(value, "name", value)) != str(_FIXED_KEYS[key]):
+            if not _same(value, _FIXED_KEYS[key]):
                 fail(f"fused param {key}={value!r} is not supported by the KV-ZCH kernel "
                      f"(it uses {_FIXED_KEYS[key]})",
                      "drop it, or give the KV-ZCH tables sharders without it")
@@ -260,6 +261,14 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
                  "drop it from the sharders' fused_params (or shard the KV-ZCH tables with sharders "
                  "of their own)")
     return fields
+
+
+def _same(value, fixed) -> bool:
+    """Whether a fused param's value is the one our kernel uses (enums by name, numbers by value)."""
+    value = getattr(value, "name", value)
+    if isinstance(fixed, bool) or isinstance(fixed, str):
+        return value == fixed
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == fixed
 
 
 def check_key_value_params(table: str, key_value_params) -> None:

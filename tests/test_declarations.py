@@ -127,11 +127,10 @@ def test_fused_params_fill_what_a_table_leaves_unset():
     bare = KVZCHTableParams("t", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS)
     assert (bare.optimizer.value, bare.learning_rate, bare.eps) == ("exact_row_wise_adagrad", 0.01, 1e-8)
     from fbgemm_gpu.split_embedding_configs import SparseType
-    table_params(config(), fused_params={"weight_decay": 0, "stochastic_rounding": True,
-                                         "output_dtype": SparseType.FP32})  # our kernel's values
+    table_params(config(), fused_params={"weight_decay": 0, "output_dtype": SparseType.FP32})  # our kernel's
+    assert not table_params(config(), fused_params={"stochastic_rounding": False}).stochastic_rounding
     for key, value, message in [("weight_decay", 0.1, "weight_decay=0.1 is not supported"),
                                 ("output_dtype", SparseType.FP16, "output_dtype=.* is not supported"),
-                                ("stochastic_rounding", False, "stochastic_rounding=False is not supported"),
                                 ("optimizer", EmbOptimType.LAMB, "optimizer .* is not supported"),
                                 ("mystery_knob", 1, "'mystery_knob' is not understood"),
                                 ("l2_cache_size", 4, "key_value_params=KeyValueParams")]:

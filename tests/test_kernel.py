@@ -67,6 +67,38 @@ def test_kernel_matches_fbgemm_tbe_over_training_steps(dim, features, batch, max
                                    twin.momentum1_host, rtol=1e-5, atol=1e-5)
 
 
+def test_fp16_rows_round_as_declared():
+    """``stochastic_rounding`` reaches fbgemm's optimizer arguments, and fp16 rows update bit for
+    bit like a dense fp16 TBE's (fbgemm's CPU kernels round to nearest either way; its CUDA
+    kernels round stochastically when asked)."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    def trained(stochastic):
+        p = KVZCHTableParams("h", 8, num_embeddings=2**20, total_num_buckets=8, weight_dtype="fp16",
+                             learning_rate=0.01, init_range=(-0.5, 0.5), stochastic_rounding=stochastic)
+        kernel = KVZCHTableKernel(p, p.bucket_range(0, 1))
+        universe = torch.arange(0, 2**20, 2**14)
+        twin = SplitTableBatchedEmbeddingBagsCodegen(
+            [(universe.numel(), 8, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=p.optimizer.to_fbgemm(),
+            learning_rate=p.learning_rate, eps=p.eps, weights_precision=SparseType.FP16,
+            stochastic_rounding=False)
+        kernel.store.find_or_insert(universe, touch=False)
+        with torch.no_grad():
+            twin.weights_host.copy_(kernel.store.read_ids(universe).view(-1))
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(5):
+            local = torch.randint(0, universe.numel(), (64,), generator=gen)
+            offsets = torch.arange(0, 65, 4)
+            grad = torch.randn(16, 8, generator=gen)
+            kernel(universe[local], offsets).backward(grad)
+            twin(local, offsets).backward(grad)
+        mine = kernel.store.read_ids(universe).view(torch.int16)
+        assert kernel.tbe.optimizer_args.stochastic_rounding is stochastic
+        return torch.equal(mine, twin.weights_host.view(universe.numel(), 8).view(torch.int16))
+
+    assert trained(stochastic=False) and trained(stochastic=True)
+
+
 def test_growth_during_training_keeps_updates():
     """Rows created over many steps force several reallocations; updates must survive each."""
     p = KVZCHTableParams("g", 4, num_embeddings=2**40, total_num_buckets=8, learning_rate=0.1)

@@ -22,9 +22,10 @@ What every port changes, and nothing more:
   test sharders also restricted sharding type and kernel; where upstream's constraints did not
   already say so (the FUSED twin of the numerical-accuracy tests) that restriction is given as
   ``ParameterConstraints(sharding_types=[...], compute_kernels=[...])`` instead;
-* hypothesis ``@given`` -> ``pytest.mark.parametrize`` over kernel and data type, with
-  ``is_training=True`` and ``stochastic_rounding=True`` (the draws upstream's 4 examples may pick
-  that exercise the most: a training step, and fp16 compared within upstream's tolerances);
+* hypothesis ``@given`` -> ``pytest.mark.parametrize`` over kernel and data type (and
+  ``stochastic_rounding`` where fp16 then compares exactly), with ``is_training=True`` and
+  otherwise ``stochastic_rounding=True`` (the draws that exercise the most: a training step, and
+  fp16 compared within upstream's tolerances);
 * upstream's ``TestSequenceSparseNN`` -> ``SequenceSparseNN`` from ``tests/_sequence_model.py``,
   our own stand-in with the same constructor, ``sparse.ec`` and forward contract (the wheel lacks
   upstream's test_sequence_model.py);
@@ -347,8 +348,9 @@ def _rank_kv_zch_numerical_accuracy(rank, world, kernel_type, dtype, is_training
     t._eval_models(fused_model, kv_model, batch, is_deterministic=is_deterministic)
 
 
+@pytest.mark.parametrize("stochastic_rounding", [True, False], ids=["sr", "no_sr"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kv_zch_numerical_accuracy(dtype):
+def test_kv_zch_numerical_accuracy(dtype, stochastic_rounding):
     """Port of test_model_parallel_nccl_ssd_single_gpu.py::ZeroCollisionModelParallelTest::
     test_kv_zch_numerical_accuracy (kernel ssd_virtual_table, the only one upstream draws). A
     FUSED row-wise twin (same tables as ordinary ones) and the KV-ZCH model, both with
@@ -358,7 +360,7 @@ def test_kv_zch_numerical_accuracy(dtype):
     ``set_range(0, 0, rows)`` names global ids, which are the twin shard's rows only when one
     rank holds the table), both create_test_sharder(...) -> kvzch_sharders(fused_params) (the
     FUSED twin's row_wise/fused restriction as constraints), EmbeddingShardingPlanner -> ours."""
-    _run(_rank_kv_zch_numerical_accuracy, SSD, dtype, True, True, False, world=1)
+    _run(_rank_kv_zch_numerical_accuracy, SSD, dtype, True, stochastic_rounding, False, world=1)
 
 
 def _rank_kv_zch_fused_optimizer(rank, world, kernel_type, dtype, is_training, stochastic_rounding):
@@ -388,8 +390,9 @@ def _rank_kv_zch_fused_optimizer(rank, world, kernel_type, dtype, is_training, s
     t._compare_models(base_model, test_model, is_deterministic=is_deterministic)
 
 
+@pytest.mark.parametrize("stochastic_rounding", [True, False], ids=["sr", "no_sr"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kv_zch_fused_optimizer(dtype):
+def test_kv_zch_fused_optimizer(dtype, stochastic_rounding):
     """Port of test_model_parallel_nccl_ssd_single_gpu.py::ZeroCollisionModelParallelTest::
     test_kv_zch_fused_optimizer (kernel ssd_virtual_table). Base model lr 0.2, test model lr 0.1
     from the sharders' fused_params; rows copied base->test; then
@@ -397,7 +400,7 @@ def test_kv_zch_fused_optimizer(dtype):
     state dicts (compared without use_virtual_table, as upstream does) must be equal.
     Swapped: cuda->cpu, nccl->gloo on 2 ranks, create_test_sharder -> kvzch_sharders,
     EmbeddingShardingPlanner -> ours."""
-    _run(_rank_kv_zch_fused_optimizer, SSD, dtype, True, True)
+    _run(_rank_kv_zch_fused_optimizer, SSD, dtype, True, stochastic_rounding)
 
 
 # -- ZeroCollisionSequenceModelParallelStateDictTest (EC) ------------------------------------------

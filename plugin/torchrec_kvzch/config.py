@@ -42,7 +42,7 @@ from torchrec_kvzch.sharding.tables import kvzch_embedding_bag_config, kvzch_emb
 _POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 _OPTIMIZER_KEYS = {"type", "learning_rate", "eps"}
 _TABLE_KEYS = {"name", "embedding_dim", "features", "pooling", "num_embeddings", "kvzch", "planner"}
-_KVZCH_KEYS = {f.name for f in fields(KVZCHTableParams)} - {"name", "embedding_dim"}
+_KVZCH_KEYS = {f.name for f in fields(KVZCHTableParams)} - {"name", "embedding_dim", "defaulted"}
 _EVICTION_KEYS = {f.name for f in fields(EvictionPolicy)}
 _RANK_BUDGET_KEYS = {f.name for f in fields(RankBudget)}
 _PLANNER_KEYS = {"sharding_types", "compute_kernels", "pooling_factors", "num_poolings",

@@ -86,6 +86,7 @@ class KVZCHTableKernel(nn.Module):
             beta2=params.betas[1],
             pooling_mode=pooling,
             weights_precision=_PRECISION[params.dtype],
+            stochastic_rounding=params.stochastic_rounding,
             output_dtype=SparseType.FP32,
             bounds_check_mode=BoundsCheckMode.NONE,  # slots come from the store, always in range
             device=self.device,

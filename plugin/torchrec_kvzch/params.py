@@ -214,7 +214,7 @@ class BucketRange:
 
 
 OPTIMIZER_DEFAULTS = {"optimizer": OptimizerKind.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01,
-                      "eps": 1e-8}
+                      "eps": 1e-8, "stochastic_rounding": True}
 
 
 @dataclass(frozen=True)
@@ -225,10 +225,11 @@ class KVZCHTableParams:
     embedding_dim: int
     num_embeddings: int = 2**40
     total_num_buckets: int = 1024
-    # None: the sharders' fused params decide, else exact_row_wise_adagrad, 0.01, 1e-8
+    # None: the sharders' fused params decide, else exact_row_wise_adagrad, 0.01, 1e-8, True
     optimizer: OptimizerKind | str | None = None
     learning_rate: float | None = None
     eps: float | None = None
+    stochastic_rounding: bool | None = None  # fp16 rows: round updates stochastically (fbgemm's default)
     betas: tuple[float, float] = (0.9, 0.999)
     init_range: tuple[float, float] = (-0.01, 0.01)
     init_seed: int | None = None  # None: derived from the table name
@@ -261,6 +262,9 @@ class KVZCHTableParams:
                  f"{self.num_embeddings} is not a multiple of total_num_buckets={self.total_num_buckets}",
                  "choose num_embeddings = k * total_num_buckets (e.g. a power of two for both)")
         object.__setattr__(self, "optimizer", OptimizerKind.parse(self.optimizer, self.name))
+        if not isinstance(self.stochastic_rounding, bool):
+            fail("stochastic_rounding", f"must be True or False, got {self.stochastic_rounding!r}",
+                 "pass a bool")
         for name in ("learning_rate", "eps"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

@@ -62,7 +62,7 @@ _PLACEMENT_KEYS = frozenset({
 })
 # fused_params keys with a value our kernel always uses: any other value is refused.
 _FIXED_KEYS = {"weight_decay": 0.0, "gradient_clipping": False, "max_norm": 0.0,
-               "stochastic_rounding": True, "output_dtype": "FP32", "weight_decay_mode": "NONE"}
+               "output_dtype": "FP32", "weight_decay_mode": "NONE"}
 _KEY_VALUE_PLACEMENT = ("ssd_storage_directory", "ssd_rocksdb_write_buffer_size",
                         "ssd_rocksdb_shards", "gather_ssd_cache_stats", "stats_reporter_config",
                         "max_l1_cache_size", "enable_async_update", "bulk_init_chunk_size",
@@ -243,6 +243,8 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
             fields["optimizer"] = OptimizerKind.parse(getattr(value, "value", value), table)
         elif key in ("learning_rate", "eps"):
             fields[key] = float(value)
+        elif key == "stochastic_rounding":
+            fields[key] = bool(value)
         elif key in ("l2_cache_size", "kvzch_tbe_config"):
             fail(f"fused param '{key}' sets eviction triggers, which are read per table",
                  f"pass it as ParameterConstraints(key_value_params=KeyValueParams({key}=...))")

@@ -244,21 +244,18 @@ def _copy_fused_into_kv_emb_modules(fused_lookups, kv_lookups) -> None:
 
 
 # -- ZeroCollisionModelParallelTest (EBC) ----------------------------------------------------------
+def _virtual_table(cls, rows: int, dim: int, name: str, feature: str):
+    """A table as upstream's ZCH tests declare theirs: a virtual table of 10 buckets, no eviction."""
+    return cls(num_embeddings=rows, embedding_dim=dim, name=name, feature_names=[feature],
+               total_num_buckets=10, use_virtual_table=True,
+               virtual_table_eviction_policy=NoEvictionPolicy())
+
+
 class _ZeroCollision(_Base):
     def _create_tables(self) -> None:
         num_features = 4
-        self.tables += [
-            EmbeddingBagConfig(
-                num_embeddings=(i + 1) * 1000,
-                embedding_dim=256,
-                name="table_" + str(i),
-                feature_names=["feature_" + str(i)],
-                total_num_buckets=10,
-                use_virtual_table=True,
-                virtual_table_eviction_policy=NoEvictionPolicy(),
-            )
-            for i in range(num_features)
-        ]
+        self.tables += [_virtual_table(EmbeddingBagConfig, (i + 1) * 1000, 256, f"table_{i}", f"feature_{i}")
+                        for i in range(num_features)]
 
 
 def _ebc_lookups(m):
@@ -412,30 +409,11 @@ class _ZeroCollisionSequence(_Base):
 
     def _create_tables(self) -> None:
         num_features, shared_features = 4, 2
-        initial_tables = [
-            EmbeddingConfig(
-                num_embeddings=(i + 1) * 1000,
-                embedding_dim=16,
-                name="table_" + str(i),
-                feature_names=["feature_" + str(i)],
-                total_num_buckets=10,
-                use_virtual_table=True,
-                virtual_table_eviction_policy=NoEvictionPolicy(),
-            )
-            for i in range(num_features)
-        ]
-        shared_features_tables = [
-            EmbeddingConfig(
-                num_embeddings=(i + 1) * 20,
-                embedding_dim=16,
-                name="table_" + str(i + num_features),
-                feature_names=["feature_" + str(i)],
-                total_num_buckets=10,
-                use_virtual_table=True,
-                virtual_table_eviction_policy=NoEvictionPolicy(),
-            )
-            for i in range(shared_features)
-        ]
+        initial_tables = [_virtual_table(EmbeddingConfig, (i + 1) * 1000, 16, f"table_{i}", f"feature_{i}")
+                          for i in range(num_features)]
+        shared_features_tables = [  # tables 4 and 5 read features 0 and 1 too
+            _virtual_table(EmbeddingConfig, (i + 1) * 20, 16, f"table_{i + num_features}", f"feature_{i}")
+            for i in range(shared_features)]
         self.tables += initial_tables + shared_features_tables
         self.shared_features += [f"feature_{i}" for i in range(shared_features)]
         self.embedding_groups["group_0"] = [
@@ -537,17 +515,22 @@ def test_planner_with_virtual_table():
     (hbm_cap/ddr_cap) stays: on a cpu topology fused_uvm_caching, which upstream asserts, is
     never offered."""
     table_count = 4
-    tables = [
-        EmbeddingConfig(num_embeddings=1_125_899_902_955_520, embedding_dim=64, name="table_" + str(i),
-                        feature_names=["feature_" + str(i)], use_virtual_table=True,
-                        total_num_buckets=3_991_680)
-        for i in range(table_count // 2)
-    ] + [
-        EmbeddingConfig(num_embeddings=100_000, embedding_dim=64, name="table_" + str(i),
-                        feature_names=["feature_" + str(i)])
-        for i in range(table_count // 2, table_count)
-    ]
-    model = tm.TestSparseNN(tables=tables, sparse_device=torch.device("meta"))
+
+    def model_of(virtual_rows, buckets):
+        """Upstream's model: half virtual tables, half ordinary ones of 100,000 rows."""
+        tables = [
+            EmbeddingConfig(num_embeddings=virtual_rows, embedding_dim=64, name="table_" + str(i),
+                            feature_names=["feature_" + str(i)], use_virtual_table=True,
+                            total_num_buckets=buckets)
+            for i in range(table_count // 2)
+        ] + [
+            EmbeddingConfig(num_embeddings=100_000, embedding_dim=64, name="table_" + str(i),
+                            feature_names=["feature_" + str(i)])
+            for i in range(table_count // 2, table_count)
+        ]
+        return tm.TestSparseNN(tables=tables, sparse_device=torch.device("meta"))
+
+    model = model_of(1_125_899_902_955_520, 3_991_680)
     topology = Topology(world_size=2, hbm_cap=1024 * 1024 * 1024 * 2, ddr_cap=1024 * 1024 * 1024 * 256,
                         compute_device="cuda")
 
@@ -562,19 +545,21 @@ def test_planner_with_virtual_table():
                for i in range(table_count // 2, table_count)},
         }
 
+    def plan_with(model, key_value_params, fused_params=None):
+        """Upstream's planner call, with our planner: (planner, plan)."""
+        planner = KVZCHShardingPlanner(topology=topology, proposer=EmbeddingOffloadScaleupProposer(),
+                                       constraints=constraints(key_value_params))
+        return planner, planner.plan(module=model, sharders=_ec_sharders(fused_params))
+
     # 1. No KeyValueParams.
-    planner = KVZCHShardingPlanner(topology=topology, proposer=EmbeddingOffloadScaleupProposer(),
-                                   constraints=constraints(None))
-    plan = planner.plan(module=model, sharders=_ec_sharders())
+    planner, plan = plan_with(model, None)
     _assert_shards(plan, table_count, 562949951477760)
     _assert_stats(planner, "dram_virtual_table: HBM: 0.001 GB, DDR: 0.0 GB",
                   "fused_uvm_caching: HBM: 0.011 GB, DDR: 0.048 GB", "Max HBM: 0.006 GB on ranks [0, 1]")
 
     # 2. KeyValueParams(l2_cache_size=64, max_l1_cache_size=128).
     kv = KeyValueParams(l2_cache_size=64, max_l1_cache_size=128)
-    planner = KVZCHShardingPlanner(topology=topology, proposer=EmbeddingOffloadScaleupProposer(),
-                                   constraints=constraints(kv))
-    plan = planner.plan(module=model, sharders=_ec_sharders())
+    planner, plan = plan_with(model, kv)
     _assert_ranks_and_kernels(plan, {DRAM, EmbeddingComputeKernel.FUSED_UVM_CACHING.value})
     _assert_shards(plan, table_count, 562949951477760)
     _assert_stats(planner, "dram_virtual_table: HBM: 0.501 GB, DDR: 0.0 GB",
@@ -582,34 +567,19 @@ def test_planner_with_virtual_table():
                   "Max HBM: 0.256 GB on ranks [0, 1]", "Min HBM: 0.256 GB on ranks [0, 1]")
 
     # 3. Same constraints again (upstream repeats the plan and checks ranks and kernels).
-    planner = KVZCHShardingPlanner(topology=topology, proposer=EmbeddingOffloadScaleupProposer(),
-                                   constraints=constraints(kv))
-    plan = planner.plan(module=model, sharders=_ec_sharders())
+    planner, plan = plan_with(model, kv)
     _assert_ranks_and_kernels(plan, {DRAM, EmbeddingComputeKernel.FUSED_UVM_CACHING.value})
 
     # 4. Small virtual tables: L1 cache > table size * cache load factor, the smaller is used.
-    small = [
-        EmbeddingConfig(num_embeddings=10000, embedding_dim=64, name="table_" + str(i),
-                        feature_names=["feature_" + str(i)], use_virtual_table=True, total_num_buckets=10)
-        for i in range(table_count // 2)
-    ] + [
-        EmbeddingConfig(num_embeddings=100_000, embedding_dim=64, name="table_" + str(i),
-                        feature_names=["feature_" + str(i)])
-        for i in range(table_count // 2, table_count)
-    ]
-    model = tm.TestSparseNN(tables=small, sparse_device=torch.device("meta"))
-    planner = KVZCHShardingPlanner(topology=topology, proposer=EmbeddingOffloadScaleupProposer(),
-                                   constraints=constraints(kv))
-    plan = planner.plan(module=model, sharders=_ec_sharders())
+    model = model_of(10_000, 10)
+    planner, plan = plan_with(model, kv)
     _assert_shards(plan, table_count, 5000)
     _assert_stats(planner, "dram_virtual_table: HBM: 0.002 GB, DDR: 0.0 GB",
                   "fused_uvm_caching: HBM: 0.011 GB, DDR: 0.048 GB",
                   "Max HBM: 0.007 GB on ranks [0, 1]", "Min HBM: 0.007 GB on ranks [0, 1]")
 
     # 5. The sharders' fused_params override the cache load factor.
-    planner = KVZCHShardingPlanner(topology=topology, proposer=EmbeddingOffloadScaleupProposer(),
-                                   constraints=constraints(kv))
-    plan = planner.plan(module=model, sharders=_ec_sharders({"cache_load_factor": 0.5}))
+    planner, plan = plan_with(model, kv, {"cache_load_factor": 0.5})
     _assert_shards(plan, table_count, 5000)
     _assert_stats(planner, "dram_virtual_table: HBM: 0.005 GB, DDR: 0.0 GB",
                   "fused_uvm_caching: HBM: 0.027 GB, DDR: 0.048 GB",

@@ -50,8 +50,8 @@ _DEFAULT_INIT = {"fp32": math.sqrt(1 / 4_000_000_000), "fp16": 0.001}
 # fbgemm's trigger modes (KVZCHTBEConfig.kvzch_eviction_trigger_mode)
 _DISABLED, _ITERATION, _MEMORY, _MANUAL, _ID_COUNT, _FREE_MEMORY = range(6)
 
-# fused_params keys that place, cache or report rows (TorchRec's FUSED / SSD kernels): nothing a
-# DRAM store computes depends on them.
+# fused_params keys (and KeyValueParams fields) that place, cache or report rows (TorchRec's
+# FUSED / SSD kernels): nothing a DRAM store computes depends on them.
 _PLACEMENT_KEYS = frozenset({
     "cache_load_factor", "cache_precision", "cache_algorithm", "cache_reserved_memory",
     "prefetch_pipeline", "enforce_hbm", "bounds_check_mode", "use_cpu", "ssd_storage_directory",
@@ -63,10 +63,6 @@ _PLACEMENT_KEYS = frozenset({
 # fused_params keys with a value our kernel always uses: any other value is refused.
 _FIXED_KEYS = {"weight_decay": 0.0, "gradient_clipping": False, "max_norm": 0.0,
                "output_dtype": "FP32", "weight_decay_mode": "NONE"}
-_KEY_VALUE_PLACEMENT = ("ssd_storage_directory", "ssd_rocksdb_write_buffer_size",
-                        "ssd_rocksdb_shards", "gather_ssd_cache_stats", "stats_reporter_config",
-                        "max_l1_cache_size", "enable_async_update", "bulk_init_chunk_size",
-                        "lazy_bulk_init_enabled")
 _KEY_VALUE_REFUSED = {
     "enable_raw_embedding_streaming": "streaming rows to a remote store is not provided",
     "res_store_shards": "streaming rows to a remote store is not provided",
@@ -284,7 +280,7 @@ def check_key_value_params(table: str, key_value_params) -> None:
             if owner is not None and getattr(owner, field, None):
                 raise ValueError(f"KV-ZCH table '{table}': {where}.{field} is not supported "
                                  f"({reason}); fix: leave it unset")
-    for field in _KEY_VALUE_PLACEMENT:
+    for field in sorted(_PLACEMENT_KEYS - {"use_passed_in_path"}):  # (True by default)
         if getattr(key_value_params, field, None) is not None:
             _notice(table, field, f"KeyValueParams.{field} configures SSD placement or caching; "
                     "the DRAM store has no use for it")

@@ -371,3 +371,26 @@ def test_set_range_writes_ids_in_range_and_whole_rows_by_position():
     with pytest.raises(ValueError, match="outside this shard"):
         KVTensor(RowStore(params, bucket_range=params.bucket_range(0, 2)), RowPart.WEIGHT).set_range(
             0, 2**39 + 1, 1, torch.ones(1, 4))
+
+
+# -- a dense table's weights (no ids) ------------------------------------------------------------
+def test_a_dense_weight_loads_row_by_id_only_when_it_covers_the_shard():
+    from torchrec_kvzch.checkpoint.state_dict import load_materialised
+
+    params = KVZCHTableParams("d", 4, num_embeddings=64, total_num_buckets=8, learning_rate=0.1,
+                              init_range=(-0.5, 0.5))
+    whole = RowStore(params)  # one rank: ids [0, 64)
+    dense = torch.randn(64, 4)
+    load_materialised(KVTensor(whole, RowPart.WEIGHT), {"weight": dense})
+    assert torch.equal(whole.sorted_ids(), torch.arange(64))
+    assert torch.equal(whole.read_ids(torch.arange(64)), dense)
+    assert int(whole.counters["inserted"]) == 0  # a load creates rows but counts no lookup
+
+    half = RowStore(params, bucket_range=params.bucket_range(1, 2))  # ids [32, 64)
+    half.find_or_insert(torch.tensor([40]))
+    before = half.read_ids(torch.tensor([40])).clone()
+    for weight in (dense, dense[:32], torch.randn(32, 8)):  # wrong ids, wrong ids, wrong width
+        with pytest.raises(ValueError, match="KV-ZCH table 'd'"):
+            load_materialised(KVTensor(half, RowPart.WEIGHT), {"weight": weight})
+        assert torch.equal(half.sorted_ids(), torch.tensor([40]))  # refused before any change
+        assert torch.equal(half.read_ids(torch.tensor([40])), before)

@@ -6,7 +6,8 @@ setup(
     ext_modules=[
         CppExtension(
             "torchrec_kvzch._C",
-            ["plugin/torchrec_kvzch/store/csrc/kvzch_ops.cpp"],
+            ["plugin/torchrec_kvzch/store/csrc/kvzch_ops.cpp",
+             "plugin/torchrec_kvzch/store/csrc/checkpoint_ops.cpp"],
             # fp-contract=off keeps the id-seeded initializer bit-identical to its torch twin.
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],

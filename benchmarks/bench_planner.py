@@ -101,7 +101,7 @@ def main() -> None:
     ratio = results["kvzch_ours"]["seconds"] / results["fused_only_torchrec"]["seconds"]
     out = {"tables": args.tables, "world_size": args.world_size, "batch_size": batch, "reps": args.reps,
            **results, "kvzch_over_fused_time_ratio": ratio,
-           "targets": {"planning 100 KV-ZCH tables takes <= 2x TorchRec's FUSED-only planning": ratio <= 2.0}}
+           "targets": {"kvzch_over_fused_time_ratio <= 2": ratio <= 2.0}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     plot(results, args.tables, args.json.with_suffix(".png"))

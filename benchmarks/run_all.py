@@ -5,13 +5,20 @@
 
 Each benchmark runs as its own process (they measure memory and re-exec for huge pages) and
 writes ``results/<name>.json`` (and a PNG where a plot helps); this script then writes
-``results/summary.json`` with every target and whether it was met, and the wall time of each.
+``results/summary.json`` with every target, its measured value and whether it was met, the wall
+time of each, and how quiet the machine was (load before the run, CPU steal during it), and
+regenerates the README's benchmark table from it (between the ``bench:table`` markers), copying
+the run's JSON to ``docs/benchmarks/``, so the figures there are one dated run's, never retyped. A target is named ``<JSON key> <comparison>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -29,13 +36,66 @@ BENCHMARKS = {  # name -> (script, its JSON, arguments); the order runs the quic
 }
 
 
+README = HERE.parent / "README.md"
+DOCS = HERE.parent / "docs" / "benchmarks"
+MARKERS = ("<!-- bench:table:start -->", "<!-- bench:table:end -->")
+
+
+def cpu_times() -> tuple[int, int]:
+    """(all, steal) jiffies of the machine so far, from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    return sum(fields), fields[7] if len(fields) > 7 else 0
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def measured(results: dict, target: str):
+    """The value a target tests: its first word names a key of the benchmark's JSON."""
+    value = results.get(target.split()[0])
+    return value if isinstance(value, (int, float)) else None
+
+
+def table(summary: dict) -> str:
+    machine = summary["machine"]
+    lines = [f"One `make bench` run, {machine['date']}, {machine['cpus']} CPUs ({machine['cpu']}); "
+             f"load average {machine['load_before']:.2f} before it, CPU steal {machine['steal_pct']:.1f}% "
+             f"during it; {machine['minutes']:.1f} minutes.", "",
+             "| benchmark | target | measured | met |", "|---|---|---|---|"]
+    for name, entry in summary["benchmarks"].items():
+        if entry["exit_code"]:
+            lines.append(f"| {name} | (failed, exit code {entry['exit_code']}) | | |")
+        for target, ok in entry.get("targets", {}).items():
+            value = entry.get("values", {}).get(target)
+            shown = "" if value is None else f"{value:.3g}"
+            lines.append(f"| {name} | `{target}` | {shown} | {'yes' if ok else '**no**'} |")
+    return "\n".join(lines)
+
+
+def update_readme(text: str, results: Path) -> None:
+    """The README's table, and beside it in docs/benchmarks/ the run's JSON it was made from."""
+    readme = README.read_text()
+    start, end = (readme.index(m) for m in MARKERS)
+    README.write_text(readme[: start + len(MARKERS[0])] + "\n" + text + "\n" + readme[end:])
+    DOCS.mkdir(parents=True, exist_ok=True)
+    for path in results.glob("*.json"):
+        if path.name != "demo.json":
+            shutil.copyfile(path, DOCS / path.name)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run just these")
+    parser.add_argument("--no-readme", action="store_true", help="leave README.md's table alone")
     args = parser.parse_args()
     args.results.mkdir(parents=True, exist_ok=True)
     summary, failed = {}, []
+    load_before, (all0, steal0), t_start = os.getloadavg()[0], cpu_times(), time.perf_counter()
     for name in args.only or BENCHMARKS:
         script, json_name, extra = BENCHMARKS[name]
         out = args.results / json_name
@@ -44,17 +104,23 @@ def main() -> int:
         done = subprocess.run([sys.executable, str(HERE / script), "--json", str(out), *extra])
         entry = {"json": str(out), "seconds": time.perf_counter() - t0, "exit_code": done.returncode}
         if done.returncode == 0:
-            entry["targets"] = json.loads(out.read_text()).get("targets", {})
+            results = json.loads(out.read_text())
+            entry["targets"] = results.get("targets", {})
+            entry["values"] = {t: measured(results, t) for t in entry["targets"]}
         else:
             failed.append(name)
         summary[name] = entry
+    all1, steal1 = cpu_times()
+    machine = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
+               "cpu": cpu_model(), "load_before": load_before,
+               "steal_pct": 100 * (steal1 - steal0) / max(1, all1 - all0),
+               "minutes": (time.perf_counter() - t_start) / 60}
+    summary = {"machine": machine, "benchmarks": summary}
     (args.results / "summary.json").write_text(json.dumps(summary, indent=1))
-    print("\n| benchmark | target | met |\n|---|---|---|")
-    for name, entry in summary.items():
-        if entry["exit_code"]:
-            print(f"| {name} | (failed, exit code {entry['exit_code']}) | |")
-        for target, ok in entry.get("targets", {}).items():
-            print(f"| {name} | {target} | {'yes' if ok else '**no**'} |")
+    text = table(summary)
+    print("\n" + text)
+    if not args.no_readme and not args.only:  # the README shows whole runs only
+        update_readme(text, args.results)
     print(f"\nwrote {args.results / 'summary.json'}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

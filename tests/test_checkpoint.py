@@ -1,6 +1,7 @@
 """DCP checkpoints of KV-ZCH tables: train -> save (sync or async) -> load at the same or another
 world size; damaged or mismatched checkpoints are refused before any row changes."""
 
+import json
 import os
 import tempfile
 import threading
@@ -21,6 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from _dist import run_ranks, sharded
 from torchrec_kvzch import KVZCHTableParams
+from torchrec_kvzch.checkpoint.integrity import checksum, read_saved
 from torchrec_kvzch.checkpoint.planner import KVZCHLoadPlanner, KVZCHSavePlanner
 from torchrec_kvzch.checkpoint.staging import KVZCHAsyncStager
 from torchrec_kvzch.checkpoint.state_dict import kv_view
@@ -329,3 +331,55 @@ def load_materialized(rank, world_size, whole_row):
 @pytest.mark.parametrize("whole_row", [True, False])
 def test_materialised_state_dict_loads_through_load_state_dict(whole_row):
     assert run_ranks(2, load_materialized, whole_row) == [True, True]
+
+
+def to_zlib_checksums(path: str) -> None:
+    """Rewrite the checksum side files as earlier versions wrote them: a flat {item: zlib CRC-32}."""
+    metadata = FileSystemReader(path).read_metadata()
+    by_key = {f"{i.fqn}@{','.join(map(str, i.offset)) if i.offset is not None else ''}": i
+              for i in metadata.storage_data}
+    for name in (n for n in os.listdir(path) if n.startswith("kvzch_checksums_")):
+        with open(os.path.join(path, name)) as f:
+            record = json.load(f)
+        assert record["algorithm"] == "crc32c"
+        old = {key: checksum(read_saved(path, metadata, by_key[key]), "crc32") for key in record["items"]}
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(old, f)
+
+
+def test_checkpoints_with_zlib_checksums_still_load_and_verify(tmp_path):
+    """Checkpoints of earlier versions recorded zlib's CRC-32 in flat side files: they load, and
+    a damaged one is still refused before any row changes."""
+    path = str(tmp_path / "ckpt")
+    expected = run_ranks(2, train_and_save, path, 7, 2)[0][0]
+    to_zlib_checksums(path)
+    run_ranks(2, load_and_compare, path, 7, expected, [None])
+    target = damage_kv_rows(path, "corrupt")
+    for error, unchanged in run_ranks(2, load_mismatched, path, (("user", 8), ("item", 12))):
+        assert error is not None and unchanged
+        assert target in error and "is corrupt" in error and "KV-ZCH table 'item'" in error
+
+
+def load_counting_direct_reads(rank, world_size, path, chunk, expected, whole_row, raw_ids):
+    """``load_and_compare``, counting the chunks read straight from the files; with
+    ``raw_ids=False`` the ids' items are made unreadable that way (as with a storage transform)."""
+    from torchrec_kvzch.checkpoint.files import SavedFiles
+
+    reads = []
+    locate, read_rows = SavedFiles._locate, SavedFiles.read_rows
+    if not raw_ids:
+        SavedFiles._locate = lambda self, index: None if index.fqn.endswith("weight_id") else locate(self, index)
+    SavedFiles.read_rows = lambda self, span, first, out: reads.append(span) or read_rows(self, span, first, out)
+    load_and_compare(rank, world_size, path, chunk, expected, [None], whole_row)
+    return len(reads)
+
+
+@pytest.mark.parametrize("whole_row, raw_ids", [(True, True), (False, True), (False, False)])
+def test_rows_are_read_straight_from_the_files(tmp_path, whole_row, raw_ids):
+    """Rows go from the files into the stores without DCP's per-chunk torch.load. A split table
+    one of whose parts cannot be read so (its ids here) is left to DCP's reader whole, and
+    loads all the same."""
+    path = str(tmp_path / "ckpt")
+    expected = run_ranks(2, train_and_save, path, 7, 2, whole_row)[0][0]
+    reads = run_ranks(3, load_counting_direct_reads, path, 7, expected, whole_row, raw_ids)
+    assert all(n > 0 for n in reads) if raw_ids else not any(reads)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from torchrec_kvzch.store.id_map import MIN_CAPACITY, IdMap, TorchKernels, native_status
+from torchrec_kvzch.store.id_map import MAX_LOAD, MIN_CAPACITY, IdMap, IdOutOfRange, TorchKernels, native_status
 
 BACKENDS = ["native", "torch"]
 
@@ -78,10 +78,10 @@ def test_slots_stable_across_growth_and_rehash(backend):
     gen = torch.Generator().manual_seed(0)
     first = torch.randint(0, 2**60, (700,), generator=gen)
     slots = m.find_or_insert(first)
-    assert m.capacity == 2 * MIN_CAPACITY or m.capacity >= 1400
+    assert m.capacity == MIN_CAPACITY  # 700 keys fit at load <= MAX_LOAD: no rehash for the batch
     for _ in range(6):  # grow through several doublings
         m.find_or_insert(torch.randint(0, 2**60, (5000,), generator=gen))
-    assert m.capacity >= 2 * len(m)
+        assert MAX_LOAD * m.capacity / 2 < len(m) <= MAX_LOAD * m.capacity
     assert torch.equal(m.find(first), slots)
     # Equal ids, equal slots; distinct ids, distinct slots.
     all_slots = m.find(m.keys())
@@ -110,8 +110,8 @@ def test_state_is_shared_between_backends():
     native.find_or_insert(ids)
     native.erase(ids[:1000])
     queries = torch.cat([ids, torch.randint(0, 2**50, (500,))])
-    twin = TorchKernels().lookup(native.table_keys, native.table_slots, queries)
-    assert torch.equal(twin, native.find(queries))
+    twin, bad, misses = TorchKernels().lookup(native.table, queries, 0, 2**62)
+    assert torch.equal(twin, native.find(queries)) and bad == -1 and misses == int((twin < 0).sum())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -125,11 +125,26 @@ def test_bad_ids_are_rejected_before_any_change(backend):
     assert m.keys().tolist() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bounds_are_checked_before_any_change(backend):
+    """A lookup refuses ids outside its bounds in the same pass, naming the first one, and inserts
+    nothing; an absent id inside them reads -1."""
+    m = IdMap(backend)
+    m.find_or_insert(torch.tensor([10, 11]))
+    with pytest.raises(IdOutOfRange) as caught:
+        m.find_or_insert(torch.tensor([12, 10, 25, 9, 30]), bounds=(10, 20))
+    assert caught.value.id == 25 and caught.value.bounds == (10, 20)
+    assert m.keys().tolist() == [10, 11]
+    assert m.find(torch.tensor([11, 19]), bounds=(10, 20)).tolist() == [1, -1]
+    with pytest.raises(IdOutOfRange):
+        m.find(torch.tensor([20]), bounds=(10, 20))
+
+
 def test_memory_tracks_live_keys():
     m = IdMap("native")
     m.find_or_insert(torch.arange(100_000))
-    # Load <= 1/2 with a power-of-two table: <= 4 * 12 bytes per key plus slot_keys.
-    assert m.nbytes / len(m) <= 4 * 12 + 8 * 1.5
+    # Load in (MAX_LOAD / 2, MAX_LOAD] with a power-of-two table of 16-byte entries, plus slot_keys.
+    assert m.nbytes / len(m) <= 2 * 16 / MAX_LOAD + 8 * 1.5
     big = m.nbytes
     m.erase(torch.arange(99_000))
     assert m.nbytes < big / 16  # shrinks with the live keys

@@ -104,14 +104,20 @@ def save_ours(rank, world, path):
 
 
 class PendingProbe(KVZCHLoadPlanner):
-    """Records the most chunks of split tables held at once, waiting for their other parts."""
+    """Records the most chunks of split tables held at once, waiting for their other parts
+    (whether read straight from the files or by DCP's reader)."""
 
     most_pending = 0
 
-    def commit_tensor(self, read_item, tensor):
-        super().commit_tensor(read_item, tensor)
-        held = sum(len(t.pending) for t in set(self._tables.values()))
-        PendingProbe.most_pending = max(PendingProbe.most_pending, held)
+    def finish_plan(self, new_plan):
+        tables = set(self._tables.values())
+        for table in tables:
+            def probe(*args, receive=table.receive):
+                receive(*args)
+                held = sum(len(t.pending) for t in tables)
+                PendingProbe.most_pending = max(PendingProbe.most_pending, held)
+            table.receive = probe
+        return super().finish_plan(new_plan)
 
 
 def load_ours(rank, world, path):

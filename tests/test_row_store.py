@@ -208,3 +208,24 @@ def test_native_row_gather_matches_the_torch_pack(optimizer, dtype, n, dim, seed
     want = store.layout.pack(store.map.slot_keys[slots], store.meta[slots], store.weights[slots],
                              store.optimizer[slots])
     assert torch.equal(bits(store.read(slots, RowPart.ROW)), bits(want))
+
+
+def test_header_touch_counts_every_occurrence_of_a_large_skewed_batch():
+    """Hot rows repeat thousands of times in a batch: every occurrence is counted once, as in the
+    torch twin, whatever the thread count."""
+    from torchrec_kvzch.store.layout import touch_meta
+
+    gen = torch.Generator().manual_seed(0)
+    rows = 5000
+    slots = (torch.rand(200_000, generator=gen).pow(4) * rows).long()  # skewed: hot low rows
+    meta = make_meta(torch.arange(rows), torch.randint(0, 100, (rows,), generator=gen))
+    results = []
+    threads = torch.get_num_threads()
+    for native, n_threads in ((False, threads), (True, 1), (True, max(2, threads))):
+        torch.set_num_threads(n_threads)
+        out = meta.clone()
+        touch_meta(out, slots, 77, native=native)
+        results.append(out)
+    torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    assert int(meta_count(results[0]).sum() - meta_count(meta).sum()) == slots.numel()

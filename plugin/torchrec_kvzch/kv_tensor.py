@@ -98,6 +98,14 @@ class KVTensor:
         self._check_slice(dim, start, length)
         return self.snapshot.read(self.start + start, length, self.part)
 
+    def read_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Materialise the whole view into ``out`` (contiguous, ``shape`` and ``dtype``): a save
+        reuses buffers rather than a fresh tensor per chunk (``checkpoint/buffers.py``)."""
+        if list(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(f"{self}: read_into needs a contiguous {self.shape} {self.dtype} tensor, "
+                             f"got {list(out.shape)} {out.dtype}")
+        return self.snapshot.read(self.start, self.shape[0], self.part, out)
+
     def slice(self, start: int, length: int) -> "KVTensor":
         """The view of rows ``[start, start + length)``, still unmaterialised."""
         self._check_slice(0, start, length)
@@ -161,7 +169,7 @@ class KVTensor:
         rows written. Ignores ``read_only``: this is how a load fills the rows such views
         stand for."""
         if self.part is RowPart.ROW:
-            ids = (layout or self.store.layout).unpack(values)[0]
+            ids = self.store.row_header(values, layout)[0]
         elif ids is None:
             raise ValueError(f"{self}: loading {self.part.value} values needs their ids")
         ids = ids.reshape(-1)

@@ -17,10 +17,18 @@ whose ids overlap its own - whatever the saved world size, ``num_embeddings`` or
 them to the table's KV tensor, which keeps the rows of its buckets (``KVTensor.load``). Memory
 stays bounded by a chunk. The store's clock and counters come back with the rows.
 
+The rows are not read by DCP's reader (a ``torch.load`` into a new tensor and a copy per chunk,
+several times slower than the bytes): once every rank's plan is valid, ``finish_plan`` reads
+them straight from the files into one reused buffer per entry (``files.py``) and hands DCP's
+reader the rest of the plan (clock, counters, ordinary entries). Tables whose items cannot be
+read that way (a storage transform, no local folder) go through DCP's reader as before.
+
 A load changes everything or nothing: while planning, before any rank changes anything, it
 refuses mismatched tables (row width, optimizer, layout, ids that do not fit), checks that
-every file region this rank will read exists and is complete, and (``verify=True``) reads
-every item back against its checksum.
+every file region this rank will read exists and is complete, locates the rows inside their
+files, and (``verify=True``) reads every item back against its checksum. A load thus reads its
+rows twice: the check must be over before the stores change, and holding the rows meanwhile
+would cost their size in memory; the second read finds them in the page cache.
 
 Tables without ``backend_return_whole_row`` stream weights, ids, header words and optimizer
 state of the same saved chunk side by side: each chunk is loaded by id once all of its parts
@@ -45,6 +53,7 @@ chunk - for upstream checkpoints, one saving rank's rows of an entry.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 from collections import Counter
@@ -55,7 +64,10 @@ import torch.distributed as dist
 from fbgemm_gpu.tbe.ssd.utils.partially_materialized_tensor import PartiallyMaterializedTensor
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem
 
+from torchrec_kvzch.checkpoint.buffers import ChunkBuffers
+from torchrec_kvzch.checkpoint.files import SavedFiles
 from torchrec_kvzch.checkpoint.integrity import (
     ChecksumRecorder, check_files, checksum_file, read_saved, verify_items)
 from torchrec_kvzch.checkpoint.state_dict import kv_view, newest_timestamp
@@ -146,6 +158,8 @@ class KVZCHSavePlanner(DefaultSavePlanner):
         self._unwritten: Counter = Counter()  # snapshot -> its chunks not materialised yet
         self._items_left = 0
         self._lock = threading.Lock()  # writers resolve items from several threads
+        self._buffers = ChunkBuffers(native=any(v.store._native for obj in self.state_dict.values()
+                                                if (v := kv_view(obj)) is not None))
 
     def finish_plan(self, new_plan):
         plan = super().finish_plan(new_plan)
@@ -164,8 +178,10 @@ class KVZCHSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item):
         obj = self.lookup_object(write_item.index)
         snapshot = None
-        if isinstance(obj, PartiallyMaterializedTensor):
-            data, snapshot = obj.full_tensor(), obj.wrapped.snapshot  # this chunk only
+        if isinstance(obj, PartiallyMaterializedTensor):  # this chunk only, into a reused buffer
+            view, snapshot = obj.wrapped, obj.wrapped.snapshot
+            data = (view.read_into(self._buffers.take(view.shape, view.dtype))
+                    if view.store.device.type == "cpu" else view.full_tensor().cpu())
         else:
             data = super().resolve_data(write_item)
         if self._checksums is not None:
@@ -179,6 +195,7 @@ class KVZCHSavePlanner(DefaultSavePlanner):
             self._items_left -= 1
             if self._items_left == 0:
                 self._finish_checksums()
+                self._buffers.close()
         return data
 
     def _finish_checksums(self) -> None:
@@ -223,10 +240,16 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
         self._checkpoint_dir = str(checkpoint_id) if checkpoint_id is not None else None
         self._tables: dict[str, _TableLoad] = {}  # fqn of any entry read for a table -> it
         self._checksum_files: list[str] = []
+        self._files: SavedFiles | None = None  # the checkpoint's files, read directly
+        self._direct: list[ReadItem] = []  # rows read here rather than by DCP's reader
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False):
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        self._tables = {}
+        self._tables, self._direct = {}, []
+        if self._files is not None:
+            self._files.close()
+        self._files = (SavedFiles(self._checkpoint_dir, metadata)
+                       if self._checkpoint_dir is not None and getattr(metadata, "storage_data", None) else None)
         saved, self._checksum_files = saved_record(metadata.planner_data)
         views = {fqn: v for fqn, obj in self.state_dict.items() if (v := kv_view(obj)) is not None}
         by_store = {v.store: self._table(fqn, v, saved)
@@ -496,8 +519,17 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
         indices = [item.storage_index for item in plan.items] + self._skipped_items()
         indices = list(dict.fromkeys(indices))
         self._check_files(indices)
+        # A table's rows are read here when all of its parts can be (a split table joins a
+        # chunk's parts: some here and some through DCP's reader would hold them all at once).
+        readable = {item: self._readable_rows(item) for item in plan.items}
+        partly = {self._tables[item.dest_index.fqn] for item, ok in readable.items()
+                  if not ok and self._tables.get(item.dest_index.fqn) is not None
+                  and item.dest_index.fqn in self._tables[item.dest_index.fqn].parts}
+        self._direct = [item for item, ok in readable.items()
+                        if ok and self._tables[item.dest_index.fqn] not in partly]
         if self._verify and self._checkpoint_dir is not None and self._checksum_files:
-            verify_items(self._checkpoint_dir, self.metadata, indices, self._checksum_files, self._describe)
+            verify_items(self._checkpoint_dir, self.metadata, indices, self._checksum_files, self._describe,
+                         self._files)
 
         # Parts of one chunk next to each other, so that a chunk is complete soon after its
         # first part (the reader goes through each file's items in plan order).
@@ -508,6 +540,24 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
             return (table.base, item.dest_offsets[0])
         plan.items.sort(key=order)
         return plan
+
+    def _readable_rows(self, item: ReadItem) -> bool:
+        """Whether ``item`` is rows of a table (a slice of whole saved rows) that ``SavedFiles``
+        can read straight from the file. Finding that out parses the item's zip directory, so
+        a damaged one is refused here, before anything changes."""
+        table = self._tables.get(item.dest_index.fqn)
+        if self._files is None or table is None or item.dest_index.fqn not in table.parts:
+            return False
+        saved = self.metadata.state_dict_metadata[item.storage_index.fqn]
+        sizes = next(c.sizes for c in saved.chunks if c.offsets == item.storage_index.offset)
+        if any(item.storage_offsets[1:]) or list(item.lengths[1:]) != list(sizes[1:]):
+            return False
+        try:
+            return self._files.span(item.storage_index) is not None
+        except ValueError as e:
+            where = os.path.join(self._checkpoint_dir, self.metadata.storage_data[item.storage_index].relative_path)
+            raise ValueError(f"{where} is corrupt: {self._describe(item.dest_index.fqn)} cannot be "
+                             f"located in it ({e}); restore the file or load another checkpoint") from e
 
     def _skipped_items(self) -> list[MetadataIndex]:
         """Saved chunks of the tables' entries this load reads nothing of (ids and optimizer
@@ -540,7 +590,31 @@ class KVZCHLoadPlanner(DefaultLoadPlanner):
                 p = table.store.params
                 table.store.restore_history(0, torch.zeros(p.total_num_buckets, 2, dtype=torch.long),
                                             p.bucket_size)
-        return super().finish_plan(new_plan)
+        plan = super().finish_plan(new_plan)
+        # Rows are read here, straight from the files into reused buffers and on into the
+        # stores; DCP's reader gets the rest (clock, counters, ordinary entries).
+        direct = set(self._direct)
+        try:
+            self._read_rows([item for item in plan.items if item in direct])
+        finally:
+            if self._files is not None:
+                self._files.close()
+        return dataclasses.replace(plan, items=[item for item in plan.items if item not in direct])
+
+    def _read_rows(self, items: list[ReadItem]) -> None:
+        """Read ``items`` (rows of tables, a chunk's parts side by side) into one reused buffer
+        per entry and hand each to its table: a chunk is in the store before the next is read."""
+        buffers: dict[str, torch.Tensor] = {}
+        for item in sorted(items, key=lambda i: (self._tables[i.dest_index.fqn].base, i.dest_offsets[0])):
+            fqn = item.dest_index.fqn
+            table = self._tables[fqn]
+            dtype, shape = table.dtypes[fqn], list(item.lengths)
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            if fqn not in buffers or buffers[fqn].numel() < nbytes:
+                buffers[fqn] = torch.empty(nbytes, dtype=torch.uint8)
+            out = buffers[fqn][:nbytes].view(dtype).view(shape)
+            self._files.read_rows(self._files.span(item.storage_index), item.storage_offsets[0], out)
+            table.receive(table.parts[fqn], (item.dest_offsets[0], item.lengths[0]), out)
 
     def resolve_tensor(self, read_item):
         table = self._tables.get(read_item.dest_index.fqn)

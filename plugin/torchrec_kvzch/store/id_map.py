@@ -1,17 +1,21 @@
 """Batched map from int64 global ids to dense row slots ``0..n-1``.
 
-Open addressing with linear probing over a power-of-two table kept at load <= 1/2. The state
-is three tensors (``table_keys``, ``table_slots``, ``slot_keys``), and two interchangeable
-backends implement the only two kernels that touch it, ``probe`` and ``find_or_insert``:
+Open addressing with linear probing over a power-of-two table kept at load <= 0.7. The state is
+two tensors: ``table`` ``[capacity, 2]`` int64 (id or a sentinel, slot) pairs - a hit reads one
+cache line - and ``slot_keys``, each slot's id. Two interchangeable backends implement the
+kernels that touch it (``probe``, ``lookup``, ``insert_missing``):
 
 * ``NativeKernels``: the C++ op in ``csrc/kvzch_ops.cpp`` (parallel prefetching lookup, serial
-  insert of the misses). The default on CPU.
+  prefetching insert of the misses). The default on CPU.
 * ``TorchKernels``: the same algorithm in vectorised torch ops. The fallback when the native
   op is not built, and the path for non-CPU devices.
 
 Both use the same hash and sentinels, so a table built by one can be read by the other, and
 the tests check they agree on every operation sequence. Erase, compaction and rehash are
 written once, on top of ``probe``.
+
+A lookup checks the ids against the caller's bounds in the same pass (``IdOutOfRange``), and
+counts the absent ids, so that room is made for exactly those before they are inserted.
 
 Slots stay dense: new ids take the next slots in order of first appearance, and erasing moves
 the last rows into the holes (the caller moves its row data the same way). Row storage can
@@ -31,9 +35,10 @@ logger = logging.getLogger(__name__)
 
 EMPTY = -1
 TOMB = -2
-MAX_LOAD = 0.5
+MAX_LOAD = 0.7
 MIN_CAPACITY = 1024
-MAX_SLOTS = 2**31 - 1  # table_slots is int32
+MAX_SLOTS = 2**31 - 1  # rows per table shard
+ANY_ID = (0, 2**63 - 1)  # the bounds of a lookup that only refuses negative ids
 
 _M1 = 0xBF58476D1CE4E5B9 - 2**64  # the splitmix64 constants as signed int64
 _M2 = 0x94D049BB133111EB - 2**64
@@ -53,6 +58,14 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+BUCKET = 4  # entries per cache line; a probe starts at the first entry of its id's line
+
+
+def home(ids: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Where each id's probe starts (as ``home`` in the C++ op): the first entry of its bucket."""
+    return mix64(ids) & (capacity - BUCKET)
+
+
 def capacity_for(n: int) -> int:
     """Smallest power-of-two table holding n keys at load <= MAX_LOAD."""
     capacity = MIN_CAPACITY
@@ -61,23 +74,29 @@ def capacity_for(n: int) -> int:
     return capacity
 
 
+def table_bytes(n: int) -> int:
+    """Bytes of the hash table that holds n keys (16-byte entries)."""
+    return capacity_for(n) * 16
+
+
+class IdOutOfRange(ValueError):
+    """An id outside a lookup's bounds; the caller words the error (it knows the table)."""
+
+    def __init__(self, id_: int, bounds: tuple[int, int]) -> None:
+        super().__init__(f"id {id_} is outside [{bounds[0]}, {bounds[1]})")
+        self.id, self.bounds = id_, bounds
+
+
 class Kernels(Protocol):
     name: str
 
-    def probe(self, table_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
+    def probe(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def lookup(
-        self, table_keys: torch.Tensor, table_slots: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor: ...
+    def lookup(self, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int,
+               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]: ...
 
-    def find_or_insert(
-        self,
-        table_keys: torch.Tensor,
-        table_slots: torch.Tensor,
-        slot_keys: torch.Tensor,
-        ids: torch.Tensor,
-        size: int,
-    ) -> torch.Tensor: ...
+    def insert_missing(self, table: torch.Tensor, slot_keys: torch.Tensor, ids: torch.Tensor,
+                       slots: torch.Tensor, size: int) -> int: ...
 
 
 class TorchKernels:
@@ -85,29 +104,31 @@ class TorchKernels:
 
     name = "torch"
 
-    def probe(self, table_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        mask = table_keys.numel() - 1
+    def probe(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        keys = table[:, 0]
+        mask = keys.numel() - 1
         out = torch.full_like(ids, -1)
         todo = torch.arange(ids.numel(), device=ids.device)
         want = ids
-        pos = mix64(ids) & mask
+        pos = home(ids, keys.numel())
         while todo.numel():
-            k = table_keys[pos]
+            k = keys[pos]
             hit = k == want
             out[todo[hit]] = pos[hit]
             cont = ~hit & (k != EMPTY)
             todo, want, pos = todo[cont], want[cont], (pos[cont] + 1) & mask
         return out
 
-    def lookup(self, table_keys, table_slots, ids):
-        pos = self.probe(table_keys, ids)
-        return torch.where(pos >= 0, table_slots[pos.clamp(min=0)].long(), -1)
+    def lookup(self, table, ids, lo, hi, rows=None):
+        bad = torch.nonzero((ids < lo) | (ids >= hi))
+        if bad.numel():
+            return ids, int(bad[0]), 0
+        pos = self.probe(table, ids)
+        slots = torch.where(pos >= 0, table[pos.clamp(min=0), 1], -1)
+        return slots, -1, int((slots < 0).sum())
 
-    def find_or_insert(self, table_keys, table_slots, slot_keys, ids, size):
-        out = self.lookup(table_keys, table_slots, ids)
-        miss = out < 0
-        if not bool(miss.any()):
-            return out
+    def insert_missing(self, table, slot_keys, ids, slots, size):
+        miss = slots < 0
         missing = ids[miss]
         uniq, inverse = torch.unique(missing, return_inverse=True)
         # Slots in order of first appearance, as the serial native insert assigns them.
@@ -116,27 +137,26 @@ class TorchKernels:
         order = torch.argsort(first)
         new_slots = torch.empty_like(uniq)
         new_slots[order] = torch.arange(size, size + uniq.numel(), device=ids.device)
-        out[miss] = new_slots[inverse]
+        slots[miss] = new_slots[inverse]
         slot_keys[size : size + uniq.numel()] = uniq[order]
-        self._place(table_keys, table_slots, uniq, new_slots)
-        return out
+        self._place(table, uniq, new_slots)
+        return size + uniq.numel()
 
     @staticmethod
-    def _place(table_keys, table_slots, ids, slots) -> None:
+    def _place(table, ids, slots) -> None:
         """Insert ids known to be absent: each round, the lowest-indexed contender per free
         position wins it and the rest move one position on."""
-        mask = table_keys.numel() - 1
-        pos = mix64(ids) & mask
+        mask = table.shape[0] - 1
+        pos = home(ids, table.shape[0])
         while ids.numel():
-            free = table_keys[pos] < 0  # EMPTY or TOMB
+            free = table[pos, 0] < 0  # EMPTY or TOMB
             cand = torch.nonzero(free).squeeze(1)
             cpos = pos[cand]
             sorted_pos, perm = torch.sort(cpos, stable=True)
             first = torch.ones_like(sorted_pos, dtype=torch.bool)
             first[1:] = sorted_pos[1:] != sorted_pos[:-1]
             win = cand[perm[first]]
-            table_keys[pos[win]] = ids[win]
-            table_slots[pos[win]] = slots[win].int()
+            table[pos[win]] = torch.stack([ids[win], slots[win]], dim=1)
             keep = torch.ones_like(ids, dtype=torch.bool)
             keep[win] = False
             ids, slots, pos = ids[keep], slots[keep], (pos[keep] + 1) & mask
@@ -147,14 +167,14 @@ class NativeKernels:
 
     name = "native"
 
-    def probe(self, table_keys, ids):
-        return torch.ops.kvzch.probe(table_keys, ids)
+    def probe(self, table, ids):
+        return torch.ops.kvzch.probe(table, ids)
 
-    def lookup(self, table_keys, table_slots, ids):
-        return torch.ops.kvzch.lookup(table_keys, table_slots, ids)
+    def lookup(self, table, ids, lo, hi, rows=None):
+        return torch.ops.kvzch.lookup(table, ids, lo, hi, rows)
 
-    def find_or_insert(self, table_keys, table_slots, slot_keys, ids, size):
-        return torch.ops.kvzch.find_or_insert(table_keys, table_slots, slot_keys, ids, size)
+    def insert_missing(self, table, slot_keys, ids, slots, size):
+        return torch.ops.kvzch.insert_missing(table, slot_keys, ids, slots, size)
 
 
 def _load_native() -> tuple[bool, str]:
@@ -181,15 +201,29 @@ def native_status(strict: bool = False) -> bool:
 HUGEPAGE_BYTES = 2 << 20
 
 
-def empty_large(shape, dtype: torch.dtype, device: torch.device, native: bool) -> torch.Tensor:
+def empty_large(shape, dtype: torch.dtype, device: torch.device, native: bool,
+                reserve: int = 0) -> torch.Tensor:
     """``torch.empty`` for the store's big CPU buffers: with the native op, a mapping of their own
-    (huge pages advised, memory back to the OS as soon as it is freed; see ``empty_mapped``)."""
+    (huge pages advised, memory back to the OS as soon as it is freed; see ``empty_mapped``).
+    ``reserve``: rows of address space to map beyond ``shape[0]``, so that ``regrown`` can
+    later grow the buffer in place; untouched pages cost no memory."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    row_bytes = math.prod(shape[1:]) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = max(shape[0], reserve) * row_bytes
     if native and device.type == "cpu" and nbytes >= 4 * HUGEPAGE_BYTES:
-        return torch.ops.kvzch.empty_mapped(nbytes).view(dtype).view(shape)
+        space = torch.ops.kvzch.empty_mapped(nbytes).view(dtype)
+        return space[: math.prod(shape)].view(shape)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def regrown(tensor: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """``tensor`` (from ``empty_large``) resized to ``rows`` rows in place, keeping its rows, when
+    its mapping has the room; else None (the caller copies into a new buffer)."""
+    row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() or not tensor.is_contiguous() or storage.nbytes() < rows * row_bytes:
+        return None
+    return tensor.new_empty(0).set_(storage, 0, (rows, *tensor.shape[1:]))
 
 
 def release_rows(tensor: torch.Tensor, start: int, end: int, native: bool) -> None:
@@ -214,19 +248,22 @@ def kernels_for(backend: str, device: torch.device) -> Kernels:
     return TorchKernels()
 
 
-def as_ids(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Validate a batch of global ids: a flat contiguous int64 tensor of non-negative values."""
+def as_ids(ids: torch.Tensor, device: torch.device, check: bool = True) -> torch.Tensor:
+    """Validate a batch of global ids: a flat contiguous int64 tensor of non-negative values
+    (``check=False``: the values are checked later, by a lookup's bounds)."""
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(
             f"ids must be an int64 (or int32) tensor, got {getattr(ids, 'dtype', type(ids))}"
         )
     ids = ids.reshape(-1).to(device=device, dtype=torch.long).contiguous()
-    if ids.numel() and int(ids.min()) < 0:
-        raise ValueError(
-            f"ids must be non-negative global ids, got {int(ids.min())}; "
-            "map or hash negative ids into [0, num_embeddings) first"
-        )
+    if check and ids.numel() and int(ids.min()) < 0:
+        raise _negative(int(ids.min()))
     return ids
+
+
+def _negative(id_: int) -> ValueError:
+    return ValueError(f"ids must be non-negative global ids, got {id_}; "
+                      "map or hash negative ids into [0, num_embeddings) first")
 
 
 @dataclass(frozen=True)
@@ -245,7 +282,7 @@ class IdMap:
         self.device = torch.device(device)
         self.kernels = kernels_for(backend, self.device)
         self.size = 0
-        self._occupied = 0  # upper bound on non-EMPTY positions (live keys + tombstones)
+        self._occupied = 0  # upper bound on non-EMPTY entries (live keys + tombstones)
         self.slot_keys = torch.empty(0, dtype=torch.long, device=self.device)
         self._alloc_table(MIN_CAPACITY)
 
@@ -255,43 +292,44 @@ class IdMap:
 
     @property
     def capacity(self) -> int:
-        return self.table_keys.numel()
+        return self.table.shape[0]
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the map: the hash table plus the slot -> id array."""
-        tensors = (self.table_keys, self.table_slots, self.slot_keys)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in (self.table, self.slot_keys))
 
     def keys(self) -> torch.Tensor:
         """The live ids, indexed by slot (a view: copy before mutating the map)."""
         return self.slot_keys[: self.size]
 
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
-        """Slot of each id, -1 where absent."""
-        return self.kernels.lookup(self.table_keys, self.table_slots, as_ids(ids, self.device))
+    def find(self, ids: torch.Tensor, bounds: tuple[int, int] = ANY_ID) -> torch.Tensor:
+        """Slot of each id, -1 where absent; an id outside ``bounds`` raises ``IdOutOfRange``."""
+        return self._lookup(ids, bounds)[0]
 
     # -- updates ------------------------------------------------------------------------------
-    def find_or_insert(self, ids: torch.Tensor) -> torch.Tensor:
+    def find_or_insert(self, ids: torch.Tensor, bounds: tuple[int, int] = ANY_ID,
+                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
         """Slot of each id, inserting absent ids; new slots are ``[old len, new len)`` in order of
-        first appearance, so a caller initialises exactly ``keys()[old_len:]``."""
-        ids = as_ids(ids, self.device)
-        self._reserve(ids.numel())
-        slots = self.kernels.find_or_insert(
-            self.table_keys, self.table_slots, self.slot_keys, ids, self.size
-        )
-        new_size = max(self.size, int(slots.max()) + 1) if slots.numel() else self.size
-        self._occupied += new_size - self.size
-        self.size = new_size
+        first appearance, so a caller initialises exactly ``keys()[old_len:]``. An id outside
+        ``bounds`` raises ``IdOutOfRange`` before anything changes. ``prefetch``: an int64 array
+        indexed by slot that the caller reads next (a hint; the native op pulls the found
+        slots' entries into cache)."""
+        slots, ids, misses = self._lookup(ids, bounds, prefetch)
+        if misses:
+            self._reserve(misses)
+            new_size = self.kernels.insert_missing(self.table, self.slot_keys, ids, slots, self.size)
+            self._occupied += new_size - self.size
+            self.size = new_size
         return slots
 
     def erase(self, ids: torch.Tensor) -> Compaction:
         """Remove ids (absent ones are ignored) and compact; returns the row moves to mirror."""
         ids = torch.unique(as_ids(ids, self.device))
-        pos = self.kernels.probe(self.table_keys, ids)
+        pos = self.kernels.probe(self.table, ids)
         pos = pos[pos >= 0]
-        gone = torch.sort(self.table_slots[pos].long()).values
-        self.table_keys[pos] = TOMB
+        gone = torch.sort(self.table[pos, 1]).values
+        self.table[pos, 0] = TOMB
         new_size = self.size - gone.numel()
         # Holes below the new end take the surviving rows from above it, both in slot order.
         # Work is O(erased): the tail [new_size, size) has exactly len(gone) slots.
@@ -301,7 +339,7 @@ class IdMap:
         src = new_size + torch.nonzero(tail_alive).squeeze(1)
         if src.numel():
             moved = self.slot_keys[src]
-            self.table_slots[self.kernels.probe(self.table_keys, moved)] = dst.int()
+            self.table[self.kernels.probe(self.table, moved), 1] = dst
             self.slot_keys[dst] = moved
         release_rows(self.slot_keys, new_size, self.size, self.kernels.name == "native")
         self.size = new_size
@@ -321,6 +359,15 @@ class IdMap:
             self._reserve(rows - self.size)
 
     # -- internals ----------------------------------------------------------------------------
+    def _lookup(self, ids: torch.Tensor, bounds: tuple[int, int], prefetch=None):
+        """(slots, ids as int64, absent count); raises ``IdOutOfRange`` for an id outside bounds."""
+        ids = as_ids(ids, self.device, check=False)
+        slots, bad, misses = self.kernels.lookup(self.table, ids, *bounds, prefetch)
+        if bad >= 0:
+            id_ = int(ids[bad])
+            raise _negative(id_) if bounds == ANY_ID else IdOutOfRange(id_, bounds)
+        return slots, ids, misses
+
     def _reserve(self, extra: int) -> None:
         need = self.size + extra
         if need > MAX_SLOTS:
@@ -341,10 +388,9 @@ class IdMap:
         live = self.slot_keys[: self.size].clone()
         self._alloc_table(capacity)
         # Reinserting the ids in slot order reproduces slots 0..size-1 exactly.
-        self.kernels.find_or_insert(self.table_keys, self.table_slots, self.slot_keys, live, 0)
+        self.kernels.insert_missing(self.table, self.slot_keys, live, torch.full_like(live, -1), 0)
         self._occupied = self.size
 
     def _alloc_table(self, capacity: int) -> None:
         native = self.kernels.name == "native"
-        self.table_keys = empty_large(capacity, torch.long, self.device, native).fill_(EMPTY)
-        self.table_slots = empty_large(capacity, torch.int32, self.device, native)
+        self.table = empty_large((capacity, 2), torch.long, self.device, native).fill_(EMPTY)

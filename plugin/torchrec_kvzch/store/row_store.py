@@ -24,14 +24,30 @@ import torch
 
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams
 from torchrec_kvzch.store.eviction import SCRATCH_BYTES_PER_ROW, Evictor
-from torchrec_kvzch.store.id_map import IdMap, as_ids, capacity_for, empty_large, release_rows
+from torchrec_kvzch.store.id_map import (
+    IdMap,
+    IdOutOfRange,
+    as_ids,
+    empty_large,
+    regrown,
+    release_rows,
+    table_bytes,
+)
 from torchrec_kvzch.store.initializer import fill_uniform_by_id
 from torchrec_kvzch.store.layout import RowLayout, RowPart, make_meta, meta_used, touch_meta
 from torchrec_kvzch.store.snapshot import RowSnapshot
 
 _GROWTH = 1.5
 _MIN_ROWS = 1024
+# Rows of address space mapped per array, so that growth up to it is in place (no copy, no peak
+# of two arrays); only written rows cost memory.
+_RESERVED_ROWS = 1 << 24
 _COPY_CHUNK_BYTES = 4 << 20
+
+
+def _gather(source: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``source[slots]``, into ``out`` when given."""
+    return source[slots] if out is None else torch.index_select(source, 0, slots, out=out)
 
 
 def _shift(window: slice, piece: slice) -> slice:
@@ -174,24 +190,27 @@ class RowStore:
         eviction's per-row scratch (``eviction.py``)."""
         row_bytes = (layout.embedding_dim * layout.itemsize + layout.optimizer_floats * 4
                      + 8 + 8)  # weights, optimizer, meta word, slot -> id
-        table = capacity_for(rows) * 12
+        table = table_bytes(rows)
         if reserved:
             return rows * (row_bytes + SCRATCH_BYTES_PER_ROW) + 2 * table
         return int(rows * row_bytes * _GROWTH) + table
 
     # -- id -> slot ---------------------------------------------------------------------------
     def find(self, ids: torch.Tensor) -> torch.Tensor:
-        """Slots of ids, -1 where absent. Touches nothing."""
-        return self.map.find(ids)
+        """Slots of ids, -1 where absent. Touches nothing; ids outside the shard are refused."""
+        return self._mapped(self.map.find, ids)
 
     def find_or_insert(self, ids: torch.Tensor, touch: bool = True) -> torch.Tensor:
         """Slots of ids; absent ids get new rows (id-seeded weights, zero optimizer state,
         header written). With ``touch`` (a lookup) the rows' timestamps become ``clock``, their
         counts grow by the number of occurrences, and new rows count as inserted; without it
         (writes, loads) rows change nothing else."""
-        ids = self._check_ids(ids)
         old = len(self)
-        slots = self.map.find_or_insert(ids)
+        r = self.bucket_range
+        try:
+            slots = self.map.find_or_insert(ids, (r.id_start, r.id_end), self.meta if touch else None)
+        except IdOutOfRange as e:
+            raise self._outside(e.id) from None
         if len(self) > old:
             self._init_rows(old, len(self))
             if touch:
@@ -222,26 +241,33 @@ class RowStore:
 
     # -- reads --------------------------------------------------------------------------------
     def read(self, slots: torch.Tensor, part: RowPart = RowPart.WEIGHT, *,
-             keys: torch.Tensor | None = None, arrays: RowArrays | None = None) -> torch.Tensor:
+             keys: torch.Tensor | None = None, arrays: RowArrays | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows at live slots, as ``part``. ``arrays``: read these instead of the live ones
-        (then ``keys``, the rows' ids, are needed for whole rows and ids)."""
+        (then ``keys``, the rows' ids, are needed for whole rows and ids). ``out``: a contiguous
+        tensor of the result's shape and dtype to fill and return (a save reuses one per chunk:
+        a fresh tensor per chunk costs a page fault per 4 KiB written)."""
         part = RowPart(part)
         slots = slots.reshape(-1).long()
         a = arrays or self.arrays
         if part is RowPart.WEIGHT:
-            return a.weights[slots]
+            return _gather(a.weights, slots, out)
         if part is RowPart.OPTIMIZER:
-            return a.optimizer[slots]
+            return _gather(a.optimizer, slots, out)
         if part is RowPart.META:
-            return a.meta[slots].unsqueeze(1)
+            meta = _gather(a.meta, slots, None if out is None else out.view(-1))
+            return meta.unsqueeze(1) if out is None else out
         keys = self.map.slot_keys[slots] if keys is None else keys
         if part is RowPart.ID:
-            return keys.unsqueeze(1)
+            return keys.unsqueeze(1) if out is None else out.copy_(keys.unsqueeze(1))
         if self._native:
-            return torch.ops.kvzch.gather_rows(a.weights, a.optimizer, a.meta, keys.contiguous(),
-                                               slots.contiguous(), self.layout.row_width,
-                                               self.layout.optimizer_offset)
-        return self.layout.pack(keys, a.meta[slots], a.weights[slots], a.optimizer[slots])
+            if out is None:
+                out = torch.empty(slots.numel(), self.layout.row_width, dtype=self.layout.dtype)
+            torch.ops.kvzch.gather_rows_into(out, a.weights, a.optimizer, a.meta, keys.contiguous(),
+                                             slots.contiguous(), self.layout.optimizer_offset)
+            return out
+        rows = self.layout.pack(keys, a.meta[slots], a.weights[slots], a.optimizer[slots])
+        return rows if out is None else out.copy_(rows)
 
     def read_range(self, start: int, length: int, part: RowPart = RowPart.WEIGHT) -> torch.Tensor:
         self._check_range(start, length)
@@ -315,6 +341,9 @@ class RowStore:
             self.optimizer[slots] = values
         elif part is RowPart.META:
             self.meta[slots] = values.reshape(-1) | make_meta(0, 0, used=True)
+        elif self._native:  # one pass over the rows instead of three indexed copies
+            torch.ops.kvzch.scatter_rows(self.weights, self.optimizer, self.meta, values.contiguous(),
+                                         slots.contiguous(), self.layout.optimizer_offset)
         else:
             _, meta, weights, optimizer = self.layout.unpack(values)
             self.weights[slots] = weights
@@ -353,19 +382,36 @@ class RowStore:
             raise ValueError(f"table '{self.params.name}': rows of {layout.embedding_dim} x "
                              f"{layout.dtype} cannot become rows of {self.layout.embedding_dim} x "
                              f"{self.layout.dtype}")
-        keys, meta, weights, _ = layout.unpack(rows)
+        keys, meta = self.row_header(rows, layout)
         used = meta_used(meta)
         if not bool(used.all()):
-            rows, keys, meta, weights = rows[used], keys[used], meta[used], weights[used]
+            rows, keys, meta = rows[used], keys[used], meta[used]
         if keys.numel() == 0:
             return 0
-        slots = self.find_or_insert(keys, touch=False)
         if layout is self.layout and optimizer:
-            self.write(slots, rows, RowPart.ROW)
+            self.write(self._slots_to_overwrite(keys), rows, RowPart.ROW)
         else:
-            self.write(slots, weights, RowPart.WEIGHT)
+            slots = self.find_or_insert(keys, touch=False)
+            self.write(slots, layout.unpack(rows)[2], RowPart.WEIGHT)
             self.write(slots, meta.unsqueeze(1), RowPart.META)
         return keys.numel()
+
+    def _slots_to_overwrite(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slots of rows about to be written whole, as ``find_or_insert(touch=False)`` gives
+        them, except that new rows are not initialised: every part of them is written next,
+        and the id-seeded weights of rows a load overwrites were a third of its time. Needs
+        room for the new rows (a DCP load reserves it); without, ``find_or_insert`` grows."""
+        if len(self) + keys.numel() > self.capacity:
+            return self.find_or_insert(keys, touch=False)
+        return self._mapped(self.map.find_or_insert, keys)
+
+    def row_header(self, rows: torch.Tensor, layout: RowLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, meta words) of whole rows of ``layout`` (default: the store's), after checking
+        their shape and dtype. Copies the 16 header bytes of each row, not the rows."""
+        layout = layout or self.layout
+        layout.unpack(rows[:0])  # raises on rows of another shape or dtype
+        header = rows[:, : layout.header_width].contiguous().view(torch.long)
+        return header[:, 0], header[:, 1]
 
     def restore_history(self, clock: int, counters: torch.Tensor, bucket_size: int) -> None:
         """Set the clock, and the inserted / evicted counters from ``counters`` ``[buckets, 2]``
@@ -423,28 +469,51 @@ class RowStore:
         # Uninitialised on purpose: rows past len(self) are written by _init_rows before use,
         # and zero-filling a grown table costs more than the copy.
         layout, dev, native = self.layout, self.device, self._native
-        self.weights = empty_large((rows, layout.embedding_dim), layout.dtype, dev, native)
-        self.optimizer = empty_large((rows, layout.optimizer_floats), torch.float32, dev, native)
-        self.meta = empty_large(rows, torch.long, dev, native)
+        ids = self.bucket_range.id_end - self.bucket_range.id_start
+        space = max(rows, min(ids, max(_RESERVED_ROWS, 4 * rows)))
+        self.weights = empty_large((rows, layout.embedding_dim), layout.dtype, dev, native, space)
+        self.optimizer = empty_large((rows, layout.optimizer_floats), torch.float32, dev, native, space)
+        self.meta = empty_large(rows, torch.long, dev, native, space)
 
     def _resize(self, rows: int, keep: int) -> None:
-        """Reallocate to ``rows`` rows, keeping the first ``keep``."""
+        """Resize to ``rows`` rows keeping the first ``keep``: in place where the arrays' mappings
+        have room (the rows past ``keep`` given back), else by copying into new arrays."""
         with self.lock:
             old = self.arrays
+            arrays = [regrown(t, rows) for t in (old.weights, old.optimizer, old.meta)]
+            if all(a is not None for a in arrays):
+                self.weights, self.optimizer, self.meta = arrays
+                if rows < old.rows:  # shrinking: the dropped rows' memory goes back
+                    for array in (old.weights, old.optimizer, old.meta):
+                        release_rows(array, keep, old.rows, self._native)
+                return
             self._alloc(rows)
             self.arrays.assign(slice(0, keep), old, slice(0, keep))
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         ids = as_ids(ids, self.device)
         r = self.bucket_range
-        if ids.numel() and (int(ids.max()) >= r.id_end or int(ids.min()) < r.id_start):
-            bad = ids[(ids < r.id_start) | (ids >= r.id_end)][0]
-            raise ValueError(
-                f"table '{self.params.name}': id {int(bad)} is outside this shard's ids "
-                f"[{r.id_start}, {r.id_end}) (buckets [{r.start}, {r.end}) of size {r.size}); "
-                "route ids to the rank owning their bucket (id // bucket_size)"
-            )
+        if ids.numel():
+            low, high = torch.aminmax(ids)
+            if int(high) >= r.id_end or int(low) < r.id_start:
+                raise self._outside(int(ids[(ids < r.id_start) | (ids >= r.id_end)][0]))
         return ids
+
+    def _mapped(self, lookup, ids: torch.Tensor) -> torch.Tensor:
+        """``lookup(ids, bounds)`` of the id map, bounded to this shard's ids."""
+        r = self.bucket_range
+        try:
+            return lookup(ids, (r.id_start, r.id_end))
+        except IdOutOfRange as e:
+            raise self._outside(e.id) from None
+
+    def _outside(self, id_: int) -> ValueError:
+        r = self.bucket_range
+        return ValueError(
+            f"table '{self.params.name}': id {id_} is outside this shard's ids "
+            f"[{r.id_start}, {r.id_end}) (buckets [{r.start}, {r.end}) of size {r.size}); "
+            "route ids to the rank owning their bucket (id // bucket_size)"
+        )
 
     def _check_range(self, start: int, length: int) -> None:
         if start < 0 or length < 0 or start + length > len(self):

@@ -48,17 +48,20 @@ class RowSnapshot:
     def frozen(self) -> bool:
         return self._frozen is not None
 
-    def read(self, start: int, length: int, part: RowPart) -> torch.Tensor:
-        """Rows at positions ``[start, start + length)`` as ``part``."""
+    def read(self, start: int, length: int, part: RowPart, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows at positions ``[start, start + length)`` as ``part``; into ``out`` (contiguous,
+        of the result's shape and dtype) when given."""
         part, end = RowPart(part), start + length
         if part is RowPart.ID:
-            return self.ids[start:end].unsqueeze(1)
+            ids = self.ids[start:end].unsqueeze(1)
+            return ids if out is None else out.copy_(ids)
         frozen = self._frozen
         if frozen is not None:
-            return frozen.read(start, end, part)
+            return frozen.read(start, end, part, out)
         if self.slots is not None and self.epoch == self.store.epoch:
-            return self.store.read(self.slots[start:end], part)
-        return self.store.read_ids(self.ids[start:end], part)
+            return self.store.read(self.slots[start:end], part, out=out)
+        rows = self.store.read_ids(self.ids[start:end], part)  # rows moved: found by id
+        return rows if out is None else out.copy_(rows)
 
     def freeze(self) -> None:
         """Pin the rows to now until ``release()`` (or until the snapshot is garbage)."""
@@ -143,7 +146,7 @@ class _Frozen:
         """The store is dropping its arrays (clear): keep reading the untouched rows from them."""
         self.arrays = self.store.arrays
 
-    def read(self, start: int, end: int, part: RowPart) -> torch.Tensor:
+    def read(self, start: int, end: int, part: RowPart, out: torch.Tensor | None = None) -> torch.Tensor:
         store = self.store
         with store.lock:  # a consistent (slots, arrays) pair: no resize or move in between
             arrays = self.arrays or store.arrays
@@ -153,7 +156,7 @@ class _Frozen:
             slots = self.slots[start:end].masked_fill(copied, 0)  # copied slots may be gone
         # Gather outside the lock, so training is not held up by a chunk read. Rows not yet
         # copied are unchanged; any row changed meanwhile was copied first and is fixed below.
-        rows = store.read(slots, part, keys=self.ids[start:end], arrays=arrays)
+        rows = store.read(slots, part, keys=self.ids[start:end], arrays=arrays, out=out)
         with store.lock:
             saved = self.saved_at[start:end]
             hit = saved >= 0

@@ -1,11 +1,12 @@
 // Native kernels of the id map and the row store; each has a torch twin in Python.
 //
-// The table is three plain tensors owned by Python:
-//   table_keys  int64[capacity]  global id, kEmpty or kTomb; capacity is a power of two
-//   table_slots int32[capacity]  dense row slot of the id at the same position
-//   slot_keys   int64[>= size]   inverse map: the id stored in each slot
-// Linear probing from mix64(id) & (capacity - 1). The torch twin uses the same hash and
-// sentinels, so either implementation can operate on a table built by the other.
+// The map is two plain tensors owned by Python:
+//   table      int64[capacity, 2]  (global id or kEmpty / kTomb, dense row slot) pairs; capacity
+//                                  is a power of two
+//   slot_keys  int64[>= size]      inverse map: the id stored in each slot
+// Linear probing from the first entry of the id's 4-entry bucket (one cache line). Key and slot share a 16-byte entry, so a hit
+// costs one cache line. The torch twin uses the same hash and sentinels, so either
+// implementation can operate on a table built by the other.
 //
 // Why hand-written: no maintained library offers a batched int64 -> dense-slot map over
 // torch-owned memory; pandas' khash and std::unordered_map were 3-5x slower here (DESIGN.md §5).
@@ -18,16 +19,30 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
 
 namespace {
 
 constexpr int64_t kEmpty = -1;
 constexpr int64_t kTomb = -2;
-// How many ids ahead the lookup loop prefetches: enough outstanding misses to hide DRAM latency.
+// How many ids ahead the loops prefetch: enough outstanding misses to hide DRAM latency.
 constexpr int64_t kPrefetchDistance = 16;
+
+struct Entry {
+  int64_t key;
+  int64_t slot;
+};
+
+// Entries per 64-byte cache line. A probe starts at the first entry of a line (its bucket), so
+// the ids of a line are found in that line however full the table is, and only overflow crosses
+// into the next one.
+constexpr uint64_t kBucket = 4;
 
 inline uint64_t mix64(uint64_t x) {
   // splitmix64 finalizer: cheap, and spreads clustered ids (sequential user ids) evenly.
@@ -39,99 +54,148 @@ inline uint64_t mix64(uint64_t x) {
   return x;
 }
 
-void check_table(const at::Tensor& table_keys, const at::Tensor& ids) {
-  TORCH_CHECK(table_keys.device().is_cpu() && ids.device().is_cpu(),
-              "kvzch native id map runs on CPU tensors; use the torch backend on other devices");
-  TORCH_CHECK(table_keys.scalar_type() == at::kLong && ids.scalar_type() == at::kLong,
-              "kvzch id map: table keys and ids must be int64");
-  TORCH_CHECK(table_keys.is_contiguous() && ids.is_contiguous() && ids.dim() == 1,
-              "kvzch id map: expected contiguous 1-D tensors");
-  const int64_t capacity = table_keys.numel();
-  TORCH_CHECK(capacity > 0 && (capacity & (capacity - 1)) == 0,
-              "kvzch id map: capacity must be a power of two, got ", capacity);
+void check_ids(const at::Tensor& ids) {
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.is_contiguous() &&
+                  ids.dim() == 1,
+              "kvzch id map: ids must be a contiguous 1-D int64 CPU tensor");
 }
 
-// Walks the probe sequence of every id in parallel, prefetching the table lines of ids a few
-// steps ahead; calls on_done(i, position) with position -1 where the id is absent.
-template <typename OnDone>
-void probe_each(const at::Tensor& table_keys, const at::Tensor& ids, const int32_t* also_prefetch,
-                OnDone on_done) {
-  check_table(table_keys, ids);
-  const int64_t* keys = table_keys.data_ptr<int64_t>();
+// The entries of a table tensor, and its position mask (capacity - 1).
+std::pair<Entry*, uint64_t> entries(const at::Tensor& table) {
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kLong && table.dim() == 2 &&
+                  table.size(1) == 2 && table.is_contiguous(),
+              "kvzch id map: the table must be a contiguous int64 [capacity, 2] CPU tensor; use "
+              "the torch backend on other devices");
+  const int64_t capacity = table.size(0);
+  TORCH_CHECK(capacity > 0 && (capacity & (capacity - 1)) == 0,
+              "kvzch id map: capacity must be a power of two, got ", capacity);
+  return {reinterpret_cast<Entry*>(table.data_ptr<int64_t>()), static_cast<uint64_t>(capacity - 1)};
+}
+
+// Where the probe of `id` starts: the first entry of its bucket.
+inline uint64_t home(int64_t id, uint64_t mask) { return mix64(id) & mask & ~(kBucket - 1); }
+
+// Position of `id` in the table, or -1 where it is absent.
+inline int64_t find_position(const Entry* t, uint64_t mask, int64_t id) {
+  for (uint64_t pos = home(id, mask);; pos = (pos + 1) & mask) {
+    const int64_t k = t[pos].key;
+    if (k == id) return static_cast<int64_t>(pos);
+    if (k == kEmpty) return -1;
+  }
+}
+
+// Runs on_found(i, position) for every id, in parallel, prefetching the entries of ids a few
+// steps ahead. Ids outside [lo, hi) are not looked up: the smallest index of such an id is
+// returned (-1 when all are inside), and the caller refuses the batch before changing anything.
+template <typename OnFound>
+int64_t probe_each(const Entry* t, uint64_t mask, const at::Tensor& ids, int64_t lo, int64_t hi,
+                   OnFound on_found) {
   const int64_t* q = ids.data_ptr<int64_t>();
-  const uint64_t mask = static_cast<uint64_t>(table_keys.numel() - 1);
-  at::parallel_for(0, ids.numel(), 2048, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> bad{std::numeric_limits<int64_t>::max()};
+  at::parallel_for(0, ids.numel(), 4096, [&](int64_t begin, int64_t end) {
+    int64_t first_bad = std::numeric_limits<int64_t>::max();
     for (int64_t i = begin; i < end; ++i) {
-      if (i + kPrefetchDistance < end) {
-        const uint64_t ahead = mix64(q[i + kPrefetchDistance]) & mask;
-        __builtin_prefetch(keys + ahead);
-        if (also_prefetch != nullptr) __builtin_prefetch(also_prefetch + ahead);
-      }
+      if (i + kPrefetchDistance < end) __builtin_prefetch(t + home(q[i + kPrefetchDistance], mask));
       const int64_t id = q[i];
-      uint64_t pos = mix64(id) & mask;
-      int64_t found = -1;
-      for (;;) {
-        const int64_t k = keys[pos];
-        if (k == id) {
-          found = static_cast<int64_t>(pos);
-          break;
-        }
-        if (k == kEmpty) break;
-        pos = (pos + 1) & mask;
+      if (id < lo || id >= hi) {
+        first_bad = std::min(first_bad, i);
+        on_found(i, int64_t{-1});
+        continue;
       }
-      on_done(i, found);
+      on_found(i, find_position(t, mask, id));
+    }
+    int64_t seen = bad.load();
+    while (first_bad < seen && !bad.compare_exchange_weak(seen, first_bad)) {
     }
   });
+  const int64_t b = bad.load();
+  return b == std::numeric_limits<int64_t>::max() ? -1 : b;
 }
 
 // Position of each id in the table, or -1 where the id is absent.
-at::Tensor probe(const at::Tensor& table_keys, const at::Tensor& ids) {
+at::Tensor probe(const at::Tensor& table, const at::Tensor& ids) {
+  check_ids(ids);
+  auto [t, mask] = entries(table);
   auto out = at::empty_like(ids);
   int64_t* o = out.data_ptr<int64_t>();
-  probe_each(table_keys, ids, nullptr, [o](int64_t i, int64_t pos) { o[i] = pos; });
+  probe_each(t, mask, ids, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(),
+             [o](int64_t i, int64_t pos) { o[i] = pos; });
   return out;
 }
 
-// Slot of each id, or -1 where the id is absent.
-at::Tensor lookup(const at::Tensor& table_keys, const at::Tensor& table_slots, const at::Tensor& ids) {
-  TORCH_CHECK(table_slots.scalar_type() == at::kInt && table_slots.numel() == table_keys.numel(),
-              "kvzch id map: table_slots must be int32 with the capacity of table_keys");
+// Slot of each id (-1 where absent), the index of the first id outside [lo, hi) (-1 if none),
+// and how many ids were absent. Nothing changes, so a caller can refuse a bad batch afterwards.
+// `rows` (optional, e.g. the store's headers): an array indexed by slot whose entries of the
+// found slots are prefetched, so that the caller's next pass over them finds them in cache.
+std::tuple<at::Tensor, int64_t, int64_t> lookup(const at::Tensor& table, const at::Tensor& ids,
+                                                int64_t lo, int64_t hi,
+                                                const std::optional<at::Tensor>& rows) {
+  check_ids(ids);
+  auto [t, mask] = entries(table);
   auto out = at::empty_like(ids);
   int64_t* o = out.data_ptr<int64_t>();
-  const int32_t* slots = table_slots.data_ptr<int32_t>();
-  probe_each(table_keys, ids, slots,
-             [o, slots](int64_t i, int64_t pos) { o[i] = pos >= 0 ? slots[pos] : -1; });
-  return out;
+  std::atomic<int64_t> misses{0};
+  const int64_t* r = nullptr;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->device().is_cpu() && rows->scalar_type() == at::kLong && rows->is_contiguous(),
+                "kvzch id map: rows to prefetch must be a contiguous int64 CPU tensor");
+    r = rows->data_ptr<int64_t>();
+  }
+  const int64_t bad = probe_each(t, mask, ids, lo, hi, [o, t, r](int64_t i, int64_t pos) {
+    const int64_t slot = pos >= 0 ? t[pos].slot : -1;
+    if (r != nullptr && slot >= 0) __builtin_prefetch(r + slot, 1);
+    o[i] = slot;
+  });
+  // Counted afterwards in one sequential pass: cheaper than a shared counter in the loop.
+  at::parallel_for(0, ids.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    int64_t n = 0;
+    for (int64_t i = begin; i < end; ++i) n += o[i] < 0;
+    misses += n;
+  });
+  return {out, bad, misses.load()};
 }
 
-// Slot of each id; absent ids are inserted with slots size, size+1, ... in order of first
-// appearance. The caller guarantees room for ids.numel() more keys (load factor and
-// slot_keys length), so this never reallocates.
-at::Tensor find_or_insert(at::Tensor table_keys, at::Tensor table_slots, at::Tensor slot_keys,
-                          const at::Tensor& ids, int64_t size) {
-  TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous() &&
-                  slot_keys.numel() >= size + ids.numel(),
-              "kvzch id map: slot_keys has no room for the batch");
-  auto out = lookup(table_keys, table_slots, ids);  // parallel phase: hits resolve here
-  int64_t* keys = table_keys.data_ptr<int64_t>();
-  int32_t* slots = table_slots.data_ptr<int32_t>();
+// Fills the -1 entries of `slots` (absent ids, as `lookup` left them): each new id gets the next
+// slot from `size` on, in order of first appearance, so the result does not depend on threads.
+// Serial, prefetching the home entries of the next absent ids. The caller guarantees room for
+// every absent id (load factor and slot_keys length), so this never reallocates. Returns the
+// new size.
+int64_t insert_missing(at::Tensor table, at::Tensor slot_keys, const at::Tensor& ids,
+                       at::Tensor slots, int64_t size) {
+  check_ids(ids);
+  auto [t, mask] = entries(table);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.numel() == ids.numel(),
+              "kvzch id map: slots must be a contiguous int64 tensor with one entry per id");
+  TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous(),
+              "kvzch id map: slot_keys must be a contiguous int64 tensor");
   int64_t* inverse = slot_keys.data_ptr<int64_t>();
+  const int64_t room = slot_keys.numel();
   const int64_t* q = ids.data_ptr<int64_t>();
-  int64_t* o = out.data_ptr<int64_t>();
+  int64_t* o = slots.data_ptr<int64_t>();
   const int64_t n = ids.numel();
-  // Serial phase over the misses only: re-probe (an earlier miss of this batch may have
-  // inserted the same id), then take the first tombstone or empty position on the path.
-  const uint64_t mask = static_cast<uint64_t>(table_keys.numel() - 1);
+  int64_t ahead = 0;  // the next index whose home entry is not prefetched yet
+  int64_t pending = 0;  // absent ids prefetched but not inserted yet
   for (int64_t i = 0; i < n; ++i) {
+    while (ahead < n && pending < kPrefetchDistance) {
+      if (o[ahead] < 0) {
+        __builtin_prefetch(t + home(q[ahead], mask), 1);
+        ++pending;
+      }
+      ++ahead;
+    }
     if (o[i] >= 0) continue;
+    --pending;
+    // Re-probe: an earlier id of this batch may have inserted the same id. The new key takes the
+    // first tombstone or empty entry on its path.
     const int64_t id = q[i];
-    uint64_t p = mix64(id) & mask;
+    uint64_t p = home(id, mask);
     int64_t free_pos = -1;
     int64_t slot = -1;
-    for (;;) {
-      const int64_t k = keys[p];
+    for (;; p = (p + 1) & mask) {
+      const int64_t k = t[p].key;
       if (k == id) {
-        slot = slots[p];
+        slot = t[p].slot;
         break;
       }
       if (k == kTomb && free_pos < 0) free_pos = static_cast<int64_t>(p);
@@ -139,17 +203,16 @@ at::Tensor find_or_insert(at::Tensor table_keys, at::Tensor table_slots, at::Ten
         if (free_pos < 0) free_pos = static_cast<int64_t>(p);
         break;
       }
-      p = (p + 1) & mask;
     }
     if (slot < 0) {
+      TORCH_CHECK(size < room, "kvzch id map: slot_keys has no room for the batch");
       slot = size++;
-      keys[free_pos] = id;
-      slots[free_pos] = static_cast<int32_t>(slot);
+      t[free_pos] = Entry{id, slot};
       inverse[slot] = id;
     }
     o[i] = slot;
   }
-  return out;
+  return size;
 }
 
 // Initial weights that depend only on (seed, id, column): rows come out the same whichever
@@ -189,8 +252,9 @@ void uniform_by_id_(at::Tensor out, const at::Tensor& ids, double low, double hi
 
 // Header update for rows read by a training batch: timestamp := clock, count += occurrences
 // (saturating at 2^31 - 1). meta packs timestamp | count << 32 | used << 63 (store/layout.py).
-// Serial on purpose: hot ids repeat within a batch (Zipf), and threads contending for the same
-// rows measured slower (atomics or slot partitioning) than one prefetching pass.
+// Serial on purpose: hot ids repeat within a batch (Zipf), and threads sharing rows need atomics
+// (contended) or ownership (a pass each over the batch); both measured slower than one pass
+// whose lines the lookup just prefetched (``lookup``'s ``rows``).
 void touch(at::Tensor meta, const at::Tensor& slots, int64_t clock) {
   TORCH_CHECK(meta.device().is_cpu() && meta.scalar_type() == at::kLong && meta.is_contiguous(),
               "kvzch touch: meta must be a contiguous int64 CPU tensor");
@@ -209,54 +273,8 @@ void touch(at::Tensor meta, const at::Tensor& slots, int64_t clock) {
   }
 }
 
-// Whole rows [header | weight | optimizer] of the given slots (keys[i]: row i's id), in the weight
-// dtype, in one pass (store/layout.py describes the layout). Checkpoints read rows in id order,
-// i.e. at random slots: prefetching the next rows' lines and writing each row once beats
-// gathering every part into a temporary and packing them afterwards.
-at::Tensor gather_rows(const at::Tensor& weights, const at::Tensor& optimizer, const at::Tensor& meta,
-                       const at::Tensor& keys, const at::Tensor& slots, int64_t row_width,
-                       int64_t optimizer_offset) {
-  TORCH_CHECK(weights.is_contiguous() && optimizer.is_contiguous() && meta.is_contiguous() &&
-                  keys.is_contiguous() && slots.is_contiguous() && slots.dim() == 1,
-              "kvzch gather_rows: expected contiguous tensors");
-  TORCH_CHECK(optimizer.scalar_type() == at::kFloat && meta.scalar_type() == at::kLong &&
-                  keys.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
-              "kvzch gather_rows: unexpected dtypes");
-  TORCH_CHECK(keys.numel() == slots.numel(), "kvzch gather_rows: one key per slot expected");
-  const int64_t n = slots.numel();
-  const int64_t item = weights.element_size();
-  const int64_t dim_bytes = weights.size(1) * item;
-  const int64_t opt_bytes = optimizer.size(1) * 4;
-  const int64_t row_bytes = row_width * item;
-  auto out = at::empty({n, row_width}, weights.options());
-  auto* o = static_cast<char*>(out.data_ptr());
-  const auto* w = static_cast<const char*>(weights.data_ptr());
-  const auto* opt = static_cast<const char*>(optimizer.data_ptr());
-  const int64_t* m = meta.data_ptr<int64_t>();
-  const int64_t* k = keys.data_ptr<int64_t>();
-  const int64_t* s = slots.data_ptr<int64_t>();
-  const int64_t weight_at = 16;  // after the 16-byte header
-  const int64_t optimizer_at = optimizer_offset * item;
-  at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (i + kPrefetchDistance < end) {
-        const int64_t ahead = s[i + kPrefetchDistance];
-        __builtin_prefetch(w + ahead * dim_bytes);
-        __builtin_prefetch(m + ahead);
-      }
-      const int64_t slot = s[i];
-      char* row = o + i * row_bytes;
-      std::memset(row, 0, row_bytes);  // padding stays zero
-      std::memcpy(row, k + i, 8);
-      std::memcpy(row + 8, m + slot, 8);
-      std::memcpy(row + weight_at, w + slot * dim_bytes, dim_bytes);
-      if (opt_bytes) std::memcpy(row + optimizer_at, opt + slot * opt_bytes, opt_bytes);
-    }
-  });
-  return out;
-}
-
-// A buffer in an anonymous mapping of its own. Transparent huge pages are advised (on systems
+// A buffer in an anonymous mapping of its own. MAP_NORESERVE: the store maps address space
+// for growth it may never use (``regrown`` in id_map.py), which must not count as committed. Transparent huge pages are advised (on systems
 // where THP is in "madvise" mode): row stores are written at random and grow by first touch, and
 // 2 MiB pages cut page faults 512x and TLB misses on lookups. Pages are committed as they are
 // first written and go back to the OS the moment the tensor is freed; torch's CPU allocator
@@ -265,7 +283,8 @@ at::Tensor gather_rows(const at::Tensor& weights, const at::Tensor& optimizer, c
 at::Tensor empty_mapped(int64_t nbytes) {
   TORCH_CHECK(nbytes >= 0, "kvzch empty_mapped: negative size ", nbytes);
   const size_t length = static_cast<size_t>(std::max<int64_t>(nbytes, 1));
-  void* data = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* data = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                    -1, 0);
   TORCH_CHECK(data != MAP_FAILED, "kvzch empty_mapped: mmap of ", length, " bytes failed: ",
               std::strerror(errno));
 #ifdef MADV_HUGEPAGE
@@ -294,24 +313,21 @@ void release_pages(at::Tensor buffer, int64_t start, int64_t end) {
 TORCH_LIBRARY(kvzch, m) {
   m.def("empty_mapped(int nbytes) -> Tensor", &empty_mapped);
   m.def("release_pages(Tensor(a!) buffer, int start, int end) -> ()", &release_pages);
-  m.def("probe(Tensor table_keys, Tensor ids) -> Tensor");
-  m.def("lookup(Tensor table_keys, Tensor table_slots, Tensor ids) -> Tensor");
+  m.def("probe(Tensor table, Tensor ids) -> Tensor");
+  m.def("lookup(Tensor table, Tensor ids, int lo, int hi, Tensor? rows=None) -> (Tensor, int, int)");
   m.def(
-      "find_or_insert(Tensor(a!) table_keys, Tensor(b!) table_slots, Tensor(c!) slot_keys, "
-      "Tensor ids, int size) -> Tensor");
+      "insert_missing(Tensor(a!) table, Tensor(b!) slot_keys, Tensor ids, Tensor(c!) slots, "
+      "int size) -> int");
   m.def("uniform_by_id_(Tensor(a!) out, Tensor ids, float low, float high, int seed) -> ()");
   m.def("touch(Tensor(a!) meta, Tensor slots, int clock) -> ()");
-  m.def("gather_rows(Tensor weights, Tensor optimizer, Tensor meta, Tensor keys, Tensor slots, "
-        "int row_width, int optimizer_offset) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvzch, CPU, m) {
   m.impl("probe", &probe);
   m.impl("lookup", &lookup);
-  m.impl("find_or_insert", &find_or_insert);
+  m.impl("insert_missing", &insert_missing);
   m.impl("uniform_by_id_", &uniform_by_id_);
   m.impl("touch", &touch);
-  m.impl("gather_rows", &gather_rows);
 }
 
 // A Python module so `import torchrec_kvzch._C` loads the library and registers the ops.

@@ -173,7 +173,7 @@ class Evictor:
 
     def _own_policy(self, ids: torch.Tensor) -> int:
         store = self.store
-        ids = store._check_ids(ids)
+        ids = store._as_ids(ids)
         present = store.find(ids)
         protected = _batch_rows(store, present)
         doomed = torch.zeros_like(protected)
@@ -295,7 +295,7 @@ class SharedBudget:
         stores = self.stores
         if store not in stores:
             raise ValueError(f"table '{store.params.name}': this store is not under the rank budget")
-        ids = store._check_ids(ids)
+        ids = store._as_ids(ids)
         present = store.find(ids)
         new = _new_rows(ids, present)
         at, budget = stores.index(store), self.budget

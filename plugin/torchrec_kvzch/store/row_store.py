@@ -206,11 +206,7 @@ class RowStore:
         counts grow by the number of occurrences, and new rows count as inserted; without it
         (writes, loads) rows change nothing else."""
         old = len(self)
-        r = self.bucket_range
-        try:
-            slots = self.map.find_or_insert(ids, (r.id_start, r.id_end), self.meta if touch else None)
-        except IdOutOfRange as e:
-            raise self._outside(e.id) from None
+        slots = self._mapped(self.map.find_or_insert, ids, self.meta if touch else None)
         if len(self) > old:
             self._init_rows(old, len(self))
             if touch:
@@ -293,7 +289,7 @@ class RowStore:
     def peek(self, ids: torch.Tensor) -> torch.Tensor:
         """Weights of ids changing nothing: a live row's weights, else the id-seeded weights
         the row would start with (what evaluation looks up)."""
-        ids = self._check_ids(ids)
+        ids = self._as_ids(ids)
         slots = self.find(ids)
         out = self.weights[slots.clamp(min=0)]
         missing = torch.nonzero(slots < 0).view(-1)
@@ -357,13 +353,14 @@ class RowStore:
     def write_ids(self, ids: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
         """Write ``part`` of the rows of ids, creating absent rows first. For whole rows the ids
         must equal the header keys (use ``write_rows`` to take ids from the headers)."""
-        ids = self._check_ids(ids)
+        ids = self._as_ids(ids)
         values = self._check_values(values, ids.numel(), RowPart(part))
         if RowPart(part) is RowPart.ROW:
             keys = self.layout.unpack(values)[0]
             if not torch.equal(keys, ids):
                 raise ValueError(f"table '{self.params.name}': whole-row header keys differ from "
                                  "the ids given; use write_rows to write rows by their header key")
+            self.find(ids)  # refuses ids outside the shard, also of rows write_rows skips (unused)
             self.write_rows(values)
             return
         self.write(self.find_or_insert(ids, touch=False), values, part)
@@ -490,20 +487,16 @@ class RowStore:
             self._alloc(rows)
             self.arrays.assign(slice(0, keep), old, slice(0, keep))
 
-    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = as_ids(ids, self.device)
-        r = self.bucket_range
-        if ids.numel():
-            low, high = torch.aminmax(ids)
-            if int(high) >= r.id_end or int(low) < r.id_start:
-                raise self._outside(int(ids[(ids < r.id_start) | (ids >= r.id_end)][0]))
-        return ids
+    def _as_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` as a flat int64 tensor; their range is checked by the lookup they go to next
+        (``find`` / ``find_or_insert``), in the same pass, before anything changes."""
+        return as_ids(ids, self.device, check=False)
 
-    def _mapped(self, lookup, ids: torch.Tensor) -> torch.Tensor:
-        """``lookup(ids, bounds)`` of the id map, bounded to this shard's ids."""
+    def _mapped(self, lookup, ids: torch.Tensor, *args) -> torch.Tensor:
+        """``lookup(ids, bounds, *args)`` of the id map, bounded to this shard's ids."""
         r = self.bucket_range
         try:
-            return lookup(ids, (r.id_start, r.id_end))
+            return lookup(ids, (r.id_start, r.id_end), *args)
         except IdOutOfRange as e:
             raise self._outside(e.id) from None
 

@@ -23,6 +23,20 @@ def median_ms(fn, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def interleaved_median_ms(fns, reps: int, warmup: int = 2) -> list[float]:
+    """Median wall time in ms of each of ``fns``, called in turn, so that a ratio of two of them
+    compares calls made under the same machine conditions (memory speed on a shared host drifts
+    by 10-20% over minutes)."""
+    times = [[] for _ in fns]
+    for rep in range(warmup + reps):
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            if rep >= warmup:
+                out.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
 def same_huge_pages_for_the_baseline() -> None:
     """Our store madvises its arrays to huge pages; give fbgemm's TBE weights the same by setting
     torch's switch, which torch reads at its first allocation, hence the re-exec."""

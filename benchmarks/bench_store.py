@@ -5,7 +5,8 @@
 For maps holding 1M and 10M keys (ids drawn from 2^50), times ``find_or_insert`` of batches of
 163,840 ids of which 20% are new, for the native op, the pure-torch twin and a Python dict, in one
 run; reports bytes per key; and times one fbgemm CPU TBE training step (1M x 128 fp32, batch
-8192, pooling 20, rowwise Adagrad) for scale. All times are medians after warm-up, in ms.
+8192, pooling 20, rowwise Adagrad) for scale, in turn with the native op on the 10M map, so that
+their ratio compares the two under the same conditions. All times are medians after warm-up, in ms.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from _common import median_ms, print_targets, same_huge_pages_for_the_baseline
+from _common import interleaved_median_ms, median_ms, print_targets, same_huge_pages_for_the_baseline
 from torchrec_kvzch import KVZCHTableParams, RowStore
 from torchrec_kvzch.store.id_map import IdMap
 
@@ -53,7 +54,8 @@ def filled_map(keys: torch.Tensor, backend: str) -> IdMap:
     return m
 
 
-def bench_maps(n_keys: int, reps: int, with_dict: bool) -> dict:
+def bench_maps(n_keys: int, reps: int, with_dict: bool, beside=None) -> dict:
+    """Times per map; ``beside``: a baseline step timed in turn with the native op."""
     keys = torch.unique(torch.randint(0, ID_SPACE, (int(n_keys * 1.01),)))[:n_keys]
     keys = keys[torch.randperm(keys.numel())]
     native = filled_map(keys, "native")
@@ -64,7 +66,11 @@ def bench_maps(n_keys: int, reps: int, with_dict: bool) -> dict:
     twin.slot_keys, twin.size, twin._occupied = native.slot_keys.clone(), native.size, native._occupied
     for name, m in (("native", native), ("torch", twin)):
         batches = BatchSource(keys, seed=1).take(reps + 2)
-        out[f"{name}_ms"] = median_ms(lambda m=m, b=batches: m.find_or_insert(next(b)), reps)
+        step = lambda m=m, b=batches: m.find_or_insert(next(b))  # noqa: E731
+        if name == "native" and beside is not None:
+            out["native_ms"], out["beside_ms"] = interleaved_median_ms([step, beside], reps)
+        else:
+            out[f"{name}_ms"] = median_ms(step, reps)
     if with_dict:
         table = dict(zip(keys.tolist(), range(n_keys)))
         dict_reps = max(3, reps // 3)
@@ -96,7 +102,8 @@ def bench_store_insert(n_rows: int, dim: int, reps: int) -> float:
     return median_ms(lambda: store.find_or_insert(next(batches)), reps)
 
 
-def bench_tbe_step(rows: int, dim: int, batch: int, pooling: int, reps: int) -> float:
+def tbe_step(rows: int, dim: int, batch: int, pooling: int):
+    """One fbgemm CPU TBE training step (forward, backward, fused rowwise Adagrad), as a callable."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -117,7 +124,7 @@ def bench_tbe_step(rows: int, dim: int, batch: int, pooling: int, reps: int) -> 
         out = tbe(indices, offsets)
         out.backward(torch.ones_like(out))
 
-    return median_ms(step, reps)
+    return step
 
 
 def plot(results: dict, path: Path) -> None:
@@ -157,14 +164,14 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     results: dict = {"batch_ids": BATCH, "new_fraction": NEW_FRACTION, "threads": torch.get_num_threads(),
                      "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
-    steps = tqdm(total=len(sizes) + 2, desc="bench_store", unit="stage")
+    steps = tqdm(total=len(sizes) + 1, desc="bench_store", unit="stage")
+    baseline = tbe_step(1_000_000, 128, 8192, 20)
     for size, tag in zip(sizes, ("1m", "10m")):
-        for key, value in bench_maps(size, args.reps, with_dict=True).items():
+        for key, value in bench_maps(size, args.reps, True, baseline if tag == "10m" else None).items():
             results[f"{key}_{tag}"] = value
         steps.update()
+    results["tbe_step_ms"] = results.pop("beside_ms_10m")
     results["store_insert_ms_1m_d128"] = bench_store_insert(sizes[0], 128, args.reps)
-    steps.update()
-    results["tbe_step_ms"] = bench_tbe_step(1_000_000, 128, 8192, 20, args.reps)
     steps.update()
     steps.close()
 

@@ -4,7 +4,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from torchrec_kvzch.store.id_map import MAX_LOAD, MIN_CAPACITY, IdMap, IdOutOfRange, TorchKernels, native_status
+from torchrec_kvzch.store.id_map import (
+    BUCKET, MAX_LOAD, MIN_CAPACITY, IdMap, IdOutOfRange, TorchKernels, home, native_status,
+)
 
 BACKENDS = ["native", "torch"]
 
@@ -150,3 +152,44 @@ def test_memory_tracks_live_keys():
     assert m.nbytes < big / 16  # shrinks with the live keys
     assert m.find_or_insert(torch.tensor([10**12, 99_500])).tolist() == [1000, 500]
     assert torch.equal(m.find(torch.arange(99_000, 100_000)), torch.arange(1000))
+
+
+def _ids_with_home(bucket_start: int, capacity: int, count: int) -> list[int]:
+    """Ids whose probe starts at ``bucket_start`` in a table of ``capacity`` entries."""
+    pool = torch.arange(1, 1 << 22)
+    return pool[home(pool, capacity) == bucket_start][:count].tolist()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_native_slots_do_not_depend_on_threads(threads):
+    """The native find_or_insert splits the table into one region per thread. Slots come out in
+    first-appearance order whatever the split, including for ids whose probe runs from one region
+    into the next, or from the table's end around to its start."""
+    capacity = 4096
+    span = capacity // threads // BUCKET * BUCKET  # the regions, as the op cuts them
+    ends = [span * (r + 1) for r in range(threads - 1)] + [capacity]
+    crowded = []  # six ids on the last bucket of every region: two of them spill over its end
+    for end in ends:
+        crowded += _ids_with_home(end - BUCKET, capacity, 6)
+        crowded += _ids_with_home(end % capacity, capacity, 2)  # and on the next one's first
+    gen = torch.Generator().manual_seed(threads)
+    batches = []
+    for _ in range(4):
+        mixed = crowded + torch.randint(0, 2**40, (300,), generator=gen).tolist()
+        order = torch.randperm(len(mixed), generator=gen).tolist()
+        batches.append([mixed[i] for i in order][:200] * 2)  # every id at least twice
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        m, ref = IdMap("native"), ReferenceMap()
+        m.reserve(2000)
+        assert m.capacity == capacity
+        for batch in batches:
+            assert m.find_or_insert(torch.tensor(batch)).tolist() == ref.find_or_insert(batch)
+            assert m.keys().tolist() == ref.keys
+    finally:
+        torch.set_num_threads(before)
+    # The table it built reads the same through the torch twin.
+    every = torch.tensor(ref.keys + [2**41, 2**41 + 1])
+    twin, bad, misses = TorchKernels().lookup(m.table, every, 0, 2**62)
+    assert twin.tolist() == ref.find(every.tolist()) and bad == -1 and misses == 2

@@ -3,19 +3,21 @@
 Open addressing with linear probing over a power-of-two table kept at load <= 0.7. The state is
 two tensors: ``table`` ``[capacity, 2]`` int64 (id or a sentinel, slot) pairs - a hit reads one
 cache line - and ``slot_keys``, each slot's id. Two interchangeable backends implement the
-kernels that touch it (``probe``, ``lookup``, ``insert_missing``):
+kernels that touch it (``probe``, ``lookup``, ``find_or_insert``):
 
-* ``NativeKernels``: the C++ op in ``csrc/kvzch_ops.cpp`` (parallel prefetching lookup, serial
-  prefetching insert of the misses). The default on CPU.
-* ``TorchKernels``: the same algorithm in vectorised torch ops. The fallback when the native
+* ``NativeKernels``: the C++ op in ``csrc/kvzch_ops.cpp``: a parallel prefetching lookup, and a
+  find_or_insert that reads each id's entry once, in parallel, one table region per thread.
+  The default on CPU.
+* ``TorchKernels``: the same semantics in vectorised torch ops. The fallback when the native
   op is not built, and the path for non-CPU devices.
 
 Both use the same hash and sentinels, so a table built by one can be read by the other, and
-the tests check they agree on every operation sequence. Erase, compaction and rehash are
-written once, on top of ``probe``.
+the tests check they agree on every operation sequence (which free entry a new id lands in may
+differ; its slot may not). Erase, compaction and rehash are written once, on top of the kernels.
 
-A lookup checks the ids against the caller's bounds in the same pass (``IdOutOfRange``), and
-counts the absent ids, so that room is made for exactly those before they are inserted.
+A lookup checks the ids against the caller's bounds before it changes anything
+(``IdOutOfRange``). ``find_or_insert`` runs in one pass when the table has room for the whole
+batch as new ids; otherwise it counts the absent ids first and makes room for exactly those.
 
 Slots stay dense: new ids take the next slots in order of first appearance, and erasing moves
 the last rows into the holes (the caller moves its row data the same way). Row storage can
@@ -92,15 +94,17 @@ class Kernels(Protocol):
 
     def probe(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def lookup(self, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int,
-               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]: ...
+    def lookup(self, table: torch.Tensor, ids: torch.Tensor, lo: int,
+               hi: int) -> tuple[torch.Tensor, int, int]: ...
 
-    def insert_missing(self, table: torch.Tensor, slot_keys: torch.Tensor, ids: torch.Tensor,
-                       slots: torch.Tensor, size: int) -> int: ...
+    def find_or_insert(self, table: torch.Tensor, slot_keys: torch.Tensor, ids: torch.Tensor,
+                       lo: int, hi: int, size: int,
+                       rows: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]: ...
 
 
 class TorchKernels:
-    """Vectorised torch implementation: probing advances all unresolved ids one step per round."""
+    """Vectorised torch implementation: probing advances all unresolved ids one step per round;
+    ``find_or_insert`` is a lookup, then a placement of the absent ids."""
 
     name = "torch"
 
@@ -119,7 +123,7 @@ class TorchKernels:
             todo, want, pos = todo[cont], want[cont], (pos[cont] + 1) & mask
         return out
 
-    def lookup(self, table, ids, lo, hi, rows=None):
+    def lookup(self, table, ids, lo, hi):
         bad = torch.nonzero((ids < lo) | (ids >= hi))
         if bad.numel():
             return ids, int(bad[0]), 0
@@ -127,11 +131,14 @@ class TorchKernels:
         slots = torch.where(pos >= 0, table[pos.clamp(min=0), 1], -1)
         return slots, -1, int((slots < 0).sum())
 
-    def insert_missing(self, table, slot_keys, ids, slots, size):
+    def find_or_insert(self, table, slot_keys, ids, lo, hi, size, rows=None):
+        slots, bad, misses = self.lookup(table, ids, lo, hi)
+        if bad >= 0 or not misses:
+            return slots, bad, size
         miss = slots < 0
         missing = ids[miss]
         uniq, inverse = torch.unique(missing, return_inverse=True)
-        # Slots in order of first appearance, as the serial native insert assigns them.
+        # Slots in order of first appearance, as the native op assigns them.
         first = torch.full_like(uniq, missing.numel())
         first.scatter_reduce_(0, inverse, torch.arange(missing.numel(), device=ids.device), "amin")
         order = torch.argsort(first)
@@ -140,7 +147,7 @@ class TorchKernels:
         slots[miss] = new_slots[inverse]
         slot_keys[size : size + uniq.numel()] = uniq[order]
         self._place(table, uniq, new_slots)
-        return size + uniq.numel()
+        return slots, -1, size + uniq.numel()
 
     @staticmethod
     def _place(table, ids, slots) -> None:
@@ -170,11 +177,11 @@ class NativeKernels:
     def probe(self, table, ids):
         return torch.ops.kvzch.probe(table, ids)
 
-    def lookup(self, table, ids, lo, hi, rows=None):
-        return torch.ops.kvzch.lookup(table, ids, lo, hi, rows)
+    def lookup(self, table, ids, lo, hi):
+        return torch.ops.kvzch.lookup(table, ids, lo, hi)
 
-    def insert_missing(self, table, slot_keys, ids, slots, size):
-        return torch.ops.kvzch.insert_missing(table, slot_keys, ids, slots, size)
+    def find_or_insert(self, table, slot_keys, ids, lo, hi, size, rows=None):
+        return torch.ops.kvzch.find_or_insert(table, slot_keys, ids, lo, hi, size, rows)
 
 
 def _load_native() -> tuple[bool, str]:
@@ -315,12 +322,17 @@ class IdMap:
         ``bounds`` raises ``IdOutOfRange`` before anything changes. ``prefetch``: an int64 array
         indexed by slot that the caller reads next (a hint; the native op pulls the found
         slots' entries into cache)."""
-        slots, ids, misses = self._lookup(ids, bounds, prefetch)
-        if misses:
-            self._reserve(misses)
-            new_size = self.kernels.insert_missing(self.table, self.slot_keys, ids, slots, self.size)
-            self._occupied += new_size - self.size
-            self.size = new_size
+        ids = as_ids(ids, self.device, check=False)
+        if (self._occupied + ids.numel() > MAX_LOAD * self.capacity
+                or self.size + ids.numel() > MAX_SLOTS):
+            # Were every id new, the table would pass its load limit: count the absent ones first.
+            self._reserve(self._lookup(ids, bounds)[2])
+        self._grow_slot_keys(self.size + ids.numel())
+        slots, bad, new_size = self.kernels.find_or_insert(self.table, self.slot_keys, ids, *bounds,
+                                                           self.size, prefetch)
+        self._raise_if_bad(ids, bad, bounds)
+        self._occupied += new_size - self.size
+        self.size = new_size
         return slots
 
     def erase(self, ids: torch.Tensor) -> Compaction:
@@ -359,14 +371,26 @@ class IdMap:
             self._reserve(rows - self.size)
 
     # -- internals ----------------------------------------------------------------------------
-    def _lookup(self, ids: torch.Tensor, bounds: tuple[int, int], prefetch=None):
+    def _lookup(self, ids: torch.Tensor, bounds: tuple[int, int]):
         """(slots, ids as int64, absent count); raises ``IdOutOfRange`` for an id outside bounds."""
         ids = as_ids(ids, self.device, check=False)
-        slots, bad, misses = self.kernels.lookup(self.table, ids, *bounds, prefetch)
+        slots, bad, misses = self.kernels.lookup(self.table, ids, *bounds)
+        self._raise_if_bad(ids, bad, bounds)
+        return slots, ids, misses
+
+    @staticmethod
+    def _raise_if_bad(ids: torch.Tensor, bad: int, bounds: tuple[int, int]) -> None:
         if bad >= 0:
             id_ = int(ids[bad])
             raise _negative(id_) if bounds == ANY_ID else IdOutOfRange(id_, bounds)
-        return slots, ids, misses
+
+    def _grow_slot_keys(self, need: int) -> None:
+        """Room for ``need`` slots in slot_keys (address space: untouched pages cost nothing)."""
+        if self.slot_keys.numel() < need:
+            grown = empty_large(max(need, self.slot_keys.numel() * 3 // 2), torch.long, self.device,
+                                self.kernels.name == "native")
+            grown[: self.size] = self.slot_keys[: self.size]
+            self.slot_keys = grown
 
     def _reserve(self, extra: int) -> None:
         need = self.size + extra
@@ -375,11 +399,7 @@ class IdMap:
                 f"id map shard would hold {need} rows, above the {MAX_SLOTS} slot limit; "
                 "use more buckets/ranks"
             )
-        if self.slot_keys.numel() < need:
-            grown = empty_large(max(need, self.slot_keys.numel() * 3 // 2), torch.long, self.device,
-                                self.kernels.name == "native")
-            grown[: self.size] = self.slot_keys[: self.size]
-            self.slot_keys = grown
+        self._grow_slot_keys(need)
         if self._occupied + extra > MAX_LOAD * self.capacity:
             # Rehash for the live keys (tombstones are dropped), never below the current size.
             self._rehash(max(self.capacity, capacity_for(need)))
@@ -388,7 +408,7 @@ class IdMap:
         live = self.slot_keys[: self.size].clone()
         self._alloc_table(capacity)
         # Reinserting the ids in slot order reproduces slots 0..size-1 exactly.
-        self.kernels.insert_missing(self.table, self.slot_keys, live, torch.full_like(live, -1), 0)
+        self.kernels.find_or_insert(self.table, self.slot_keys, live, *ANY_ID, 0)
         self._occupied = self.size
 
     def _alloc_table(self, capacity: int) -> None:

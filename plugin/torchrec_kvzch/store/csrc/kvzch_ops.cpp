@@ -244,6 +244,7 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
   const int64_t regions = std::clamp<int64_t>(at::get_num_threads(), 1, capacity / 1024 + 1);
   const int64_t span = capacity / regions / static_cast<int64_t>(kBucket) * kBucket;
   std::vector<std::vector<int64_t>> crossing(regions);
+  std::atomic<int64_t> claimed{0};  // first appearances of new ids
   at::parallel_for(0, regions, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t c = r0; c < r1; ++c) {
       const uint64_t first = c * span;
@@ -257,19 +258,29 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
       }
       // The last region's probes wrap into the first one's (none with a single region).
       const int64_t limit = regions == 1 ? -1 : static_cast<int64_t>(last & mask);
+      int64_t mine = 0;
       for (int64_t j = 0; j < count; ++j) {
         if (j + kPrefetchDistance < count) {
           prefetch_bucket(t, mask, homes[own[j + kPrefetchDistance]]);
         }
         const int64_t i = own[j];
-        if (!claim(t, mask, q[i], i, homes[i], limit, o, r)) crossing[c].push_back(i);
+        if (!claim(t, mask, q[i], i, homes[i], limit, o, r)) {
+          crossing[c].push_back(i);
+        } else {
+          mine += is_first(o[i]);
+        }
       }
+      claimed += mine;
     }
   });
   std::vector<int64_t> rest;
   for (const auto& v : crossing) rest.insert(rest.end(), v.begin(), v.end());
   std::sort(rest.begin(), rest.end());
-  for (const int64_t i : rest) claim(t, mask, q[i], i, homes[i], -1, o, r);
+  for (const int64_t i : rest) {
+    claim(t, mask, q[i], i, homes[i], -1, o, r);
+    claimed += is_first(o[i]);
+  }
+  if (claimed.load() == 0) return {out, -1, size};  // every id was present: nothing to rank
 
   // Ranks in batch order: each fixed chunk lists its first appearances, a prefix over the
   // chunks' counts gives each chunk's first slot, then the chunks write their slots.
@@ -375,11 +386,12 @@ void touch(at::Tensor meta, const at::Tensor& slots, int64_t clock) {
 
 // A buffer in an anonymous mapping of its own. MAP_NORESERVE: the store maps address space
 // for growth it may never use (``regrown`` in id_map.py), which must not count as committed.
-// Transparent huge pages are advised (on systems where THP is in "madvise" mode): row stores are written at random and grow by first touch, and
-// 2 MiB pages cut page faults 512x and TLB misses on lookups. Pages are committed as they are
-// first written and go back to the OS the moment the tensor is freed; torch's CPU allocator
-// (glibc malloc) may instead keep freed blocks of a few tens of MiB in its heap, so a store that
-// reallocates its hash table under eviction would creep above its memory budget.
+// Transparent huge pages are advised (on systems where THP is in "madvise" mode): row stores
+// are written at random and grow by first touch, and 2 MiB pages cut page faults 512x and TLB
+// misses on lookups. Pages are committed as they are first written and go back to the OS the
+// moment the tensor is freed; torch's CPU allocator (glibc malloc) may instead keep freed
+// blocks of a few tens of MiB in its heap, so a store that reallocates its hash table under
+// eviction would creep above its memory budget.
 at::Tensor empty_mapped(int64_t nbytes) {
   TORCH_CHECK(nbytes >= 0, "kvzch empty_mapped: negative size ", nbytes);
   const size_t length = static_cast<size_t>(std::max<int64_t>(nbytes, 1));

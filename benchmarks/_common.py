@@ -13,14 +13,7 @@ import torch
 
 def median_ms(fn, reps: int, warmup: int = 2) -> float:
     """Median wall time of ``fn()`` in ms, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return interleaved_median_ms([fn], reps, warmup)[0]
 
 
 def interleaved_median_ms(fns, reps: int, warmup: int = 2) -> list[float]:

@@ -85,6 +85,13 @@ inline void prefetch_bucket(const Entry* t, uint64_t mask, uint64_t pos) {
   __builtin_prefetch(t + ((pos + kBucket) & mask));
 }
 
+// Lowers `least` to `v` if `v` is smaller (the first bad index found by any thread).
+inline void lower_to(std::atomic<int64_t>& least, int64_t v) {
+  int64_t seen = least.load();
+  while (v < seen && !least.compare_exchange_weak(seen, v)) {
+  }
+}
+
 // Position of `id` in the table, or -1 where it is absent.
 inline int64_t find_position(const Entry* t, uint64_t mask, int64_t id) {
   for (uint64_t pos = home(id, mask);; pos = (pos + 1) & mask) {
@@ -116,9 +123,7 @@ int64_t probe_each(const Entry* t, uint64_t mask, const at::Tensor& ids, int64_t
       }
       on_found(i, find_position(t, mask, id));
     }
-    int64_t seen = bad.load();
-    while (first_bad < seen && !bad.compare_exchange_weak(seen, first_bad)) {
-    }
+    lower_to(bad, first_bad);
   });
   const int64_t b = bad.load();
   return b == std::numeric_limits<int64_t>::max() ? -1 : b;
@@ -230,9 +235,7 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (q[i] < lo || q[i] >= hi) {
-        int64_t seen = bad.load();
-        while (i < seen && !bad.compare_exchange_weak(seen, i)) {
-        }
+        lower_to(bad, i);
         return;
       }
       homes[i] = home(q[i], mask);

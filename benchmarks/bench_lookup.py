@@ -5,8 +5,9 @@
 One table with 1M live rows x 128 fp32, rowwise Adagrad, batch 8192, pooling 20. The KV-ZCH
 kernel holds the rows of 1M ids drawn from 2^40; fbgemm's TBE holds the same rows densely and
 sees each id's row index. Both run the same batches (forward + backward + fused update), with
-uniform and Zipf(1.05) ids, alternating step by step after warm-up. Ratios are throughputs:
-ours / baseline (1.0 = as fast as fbgemm on a dense table).
+uniform and Zipf(1.05) ids, alternating step by step after warm-up (which of the two goes first
+alternates too). Ratios are throughputs of the median steps: ours / baseline (1.0 = as fast as
+fbgemm on a dense table).
 
 The 2-process variant (torchrun, gloo) shards ``configs/bench_lookup.yaml`` with DMP: a KV-ZCH
 table and an ordinary FUSED row-wise table of the same size, planned by our planner. Each step
@@ -66,7 +67,8 @@ def compare(kernel, baseline, universe, batch: int, pooling: int, dist: str, ste
     ours, base = [], []
     for i, local in enumerate(batches(universe.numel(), batch, pooling, dist, steps + warmup, seed=7)):
         ids = universe[local]  # global ids for our kernel, row indices for the baseline
-        for module, inputs, times in ((kernel, ids, ours), (baseline, local, base)):
+        pair = ((kernel, ids, ours), (baseline, local, base))
+        for module, inputs, times in pair if i % 2 else pair[::-1]:
             t0 = time.perf_counter()
             out = module(inputs, offsets)
             out.backward(torch.ones_like(out))
@@ -121,7 +123,7 @@ def worker(args) -> None:
     times = {"kv": [], "dense": []}
     for step in range(args.warmup + args.steps):
         local = torch.randint(0, rows, (n,), generator=gen)
-        for table in ("kv", "dense"):
+        for table in ("kv", "dense") if step % 2 else ("dense", "kv"):
             ids = universe[local] if table == "kv" else local
             lengths = torch.cat([lengths_on, lengths_on * 0] if table == "kv" else [lengths_on * 0, lengths_on])
             features = KeyedJaggedTensor(keys=["kv_ids", "dense_ids"], values=ids, lengths=lengths)
@@ -150,7 +152,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--pooling", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     if args.worker:

@@ -98,8 +98,7 @@ class Kernels(Protocol):
                hi: int) -> tuple[torch.Tensor, int, int]: ...
 
     def find_or_insert(self, table: torch.Tensor, slot_keys: torch.Tensor, ids: torch.Tensor,
-                       lo: int, hi: int, size: int,
-                       rows: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]: ...
+                       lo: int, hi: int, size: int) -> tuple[torch.Tensor, int, int]: ...
 
 
 class TorchKernels:
@@ -131,7 +130,7 @@ class TorchKernels:
         slots = torch.where(pos >= 0, table[pos.clamp(min=0), 1], -1)
         return slots, -1, int((slots < 0).sum())
 
-    def find_or_insert(self, table, slot_keys, ids, lo, hi, size, rows=None):
+    def find_or_insert(self, table, slot_keys, ids, lo, hi, size):
         slots, bad, misses = self.lookup(table, ids, lo, hi)
         if bad >= 0 or not misses:
             return slots, bad, size
@@ -180,8 +179,8 @@ class NativeKernels:
     def lookup(self, table, ids, lo, hi):
         return torch.ops.kvzch.lookup(table, ids, lo, hi)
 
-    def find_or_insert(self, table, slot_keys, ids, lo, hi, size, rows=None):
-        return torch.ops.kvzch.find_or_insert(table, slot_keys, ids, lo, hi, size, rows)
+    def find_or_insert(self, table, slot_keys, ids, lo, hi, size):
+        return torch.ops.kvzch.find_or_insert(table, slot_keys, ids, lo, hi, size)
 
 
 def _load_native() -> tuple[bool, str]:
@@ -315,13 +314,10 @@ class IdMap:
         return self._lookup(ids, bounds)[0]
 
     # -- updates ------------------------------------------------------------------------------
-    def find_or_insert(self, ids: torch.Tensor, bounds: tuple[int, int] = ANY_ID,
-                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def find_or_insert(self, ids: torch.Tensor, bounds: tuple[int, int] = ANY_ID) -> torch.Tensor:
         """Slot of each id, inserting absent ids; new slots are ``[old len, new len)`` in order of
         first appearance, so a caller initialises exactly ``keys()[old_len:]``. An id outside
-        ``bounds`` raises ``IdOutOfRange`` before anything changes. ``prefetch``: an int64 array
-        indexed by slot that the caller reads next (a hint; the native op pulls the found
-        slots' entries into cache)."""
+        ``bounds`` raises ``IdOutOfRange`` before anything changes."""
         ids = as_ids(ids, self.device, check=False)
         if (self._occupied + ids.numel() > MAX_LOAD * self.capacity
                 or self.size + ids.numel() > MAX_SLOTS):
@@ -329,7 +325,7 @@ class IdMap:
             self._reserve(self._lookup(ids, bounds)[2])
         self._grow_slot_keys(self.size + ids.numel())
         slots, bad, new_size = self.kernels.find_or_insert(self.table, self.slot_keys, ids, *bounds,
-                                                           self.size, prefetch)
+                                                           self.size)
         self._raise_if_bad(ids, bad, bounds)
         self._occupied += new_size - self.size
         self.size = new_size

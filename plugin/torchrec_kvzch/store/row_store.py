@@ -206,7 +206,7 @@ class RowStore:
         counts grow by the number of occurrences, and new rows count as inserted; without it
         (writes, loads) rows change nothing else."""
         old = len(self)
-        slots = self._mapped(self.map.find_or_insert, ids, self.meta if touch else None)
+        slots = self._mapped(self.map.find_or_insert, ids)
         if len(self) > old:
             self._init_rows(old, len(self))
             if touch:
@@ -492,11 +492,11 @@ class RowStore:
         (``find`` / ``find_or_insert``), in the same pass, before anything changes."""
         return as_ids(ids, self.device, check=False)
 
-    def _mapped(self, lookup, ids: torch.Tensor, *args) -> torch.Tensor:
-        """``lookup(ids, bounds, *args)`` of the id map, bounded to this shard's ids."""
+    def _mapped(self, lookup, ids: torch.Tensor) -> torch.Tensor:
+        """``lookup(ids, bounds)`` of the id map, bounded to this shard's ids."""
         r = self.bucket_range
         try:
-            return lookup(ids, (r.id_start, r.id_end), *args)
+            return lookup(ids, (r.id_start, r.id_end))
         except IdOutOfRange as e:
             raise self._outside(e.id) from None
 

@@ -158,3 +158,27 @@ def test_reading_in_another_thread_while_training():
         done.set()
         thread.join()
     assert not bad
+
+
+@given(world=st.integers(1, 5), rank=st.integers(0, 4), total=st.integers(1, 40),
+       size=st.integers(1, 50_000),
+       picks=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["first", "last", "any"])),
+                      max_size=60))
+def test_snapshot_bucket_counts_match_the_store(world, rank, total, size, picks):
+    """The snapshot counts rows per bucket by binary search over its sorted ids; the store by
+    dividing each id: the two agree for every shard, empty buckets included, with
+    ids on the first and last id of their buckets."""
+    rank, total = rank % world, max(total, world)
+    p = KVZCHTableParams("tbl", 8, num_embeddings=total * size, total_num_buckets=total)
+    store = RowStore(p, bucket_range=p.bucket_range(rank, world))
+    r = store.bucket_range
+    if picks:
+        ids = []
+        for x, where in picks:
+            bucket = r.start + x % r.num_buckets
+            lo, hi = bucket * r.size, (bucket + 1) * r.size - 1
+            ids.append({"first": lo, "last": hi, "any": lo + x % (hi - lo + 1)}[where])
+        store.find_or_insert(torch.tensor(ids, dtype=torch.long), touch=False)
+    counts = store.snapshot().bucket_counts()
+    assert counts.tolist() == store.bucket_counts().tolist()
+    assert int(counts.sum()) == len(store)

@@ -75,10 +75,6 @@ class TableSnapshot:
     def store(self):
         return self.kernel.store
 
-    def bucket_counts(self) -> torch.Tensor:
-        return torch.bincount(self.store.local_buckets(self.rows.ids),
-                              minlength=self.store.bucket_range.num_buckets)
-
 
 def kv_view(entry) -> KVTensor | None:
     """The KVTensor behind a state-dict entry, if it is a KV-ZCH ShardedTensor."""
@@ -107,7 +103,8 @@ def table_entries(tables: Iterator[tuple[str, KVZCHTableKernel]], prefix: str,
         out[f"{prefix}{snap.name}.weight_id"] = rows_sharded_tensor(snap.view(RowPart.ID), counts, pg)
         if part is RowPart.WEIGHT:  # whole rows hold the header word; else it goes apart
             out[f"{prefix}{snap.name}.metaheader"] = rows_sharded_tensor(snap.view(RowPart.META), counts, pg)
-        out[f"{prefix}{snap.name}.bucket"] = bucket_sharded_tensor(snap, snap.bucket_counts().unsqueeze(1), pg)
+        per_bucket = snap.rows.bucket_counts().unsqueeze(1)
+        out[f"{prefix}{snap.name}.bucket"] = bucket_sharded_tensor(snap, per_bucket, pg)
         out[f"{prefix}{snap.name}.counters"] = bucket_sharded_tensor(snap, snap.counters, pg)
         out[f"{prefix}{snap.name}.clock"] = torch.tensor([snap.clock])
         if snap.store.layout.optimizer_floats:

@@ -7,17 +7,20 @@ in one process and in two (torchrun, gloo). For the whole-row path and the legac
 (weights, ids and optimizer state apart) it measures the DCP save time, the load time and the
 peak extra RSS while loading (RSS sampled every 5 ms; "extra" = peak minus the RSS once the
 rows are loaded, i.e. the transient cost of loading), and beside them a raw sequential write
-(tofile + fsync) and read of the same number of bytes. Saves use DCP's FileSystemWriter with
-two writer threads. A PNG shows RSS over time during the two loads (one process).
+(tofile + fsync) and read of the same number of bytes. Our saves use ``KVZCHFileSystemWriter``
+(DCP's FileSystemWriter, writing each file back to disk as it goes) with two writer threads. A
+PNG shows RSS over time during the two loads (one process).
 
 Stock DCP beside it, same run: ``dcp.save`` / ``dcp.load`` (FileSystemWriter / Reader, two
 threads) of one plain tensor of the same bytes as a rank's whole rows - a plain tensor in one
 process, each rank its half as a row-sharded DTensor in two - loaded into the existing tensor,
 as into a model's parameters. ``load_vs_dcp_dense_ratio`` and ``save_vs_dcp_dense_ratio`` are
 our whole-row time over DCP's (lower is better). The whole-row save and load, DCP's and the raw
-write run one after the other ``--repeats`` times (default 3) and each time is the median over
-those runs (peak memory: the largest), so that a burst of load elsewhere on the machine skews
-one run, not the ratios.
+write run one after the other ``--repeats`` times (default 5; every other time in reverse order,
+as a write is slower once earlier ones have filled the page cache); each time is the median over
+those runs (peak memory: the largest) and each ratio the median of the runs' ratios, so that a
+burst of load elsewhere on the machine skews one run, not the ratios. Every run's times are in
+the JSON (``runs``), for the spread.
 
 Async save (whole rows): the time from taking the state dict to ``dcp.async_save`` returning,
 against the same for the synchronous save (``async_blocked_ratio``); training steps then run
@@ -36,6 +39,7 @@ import statistics
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -102,16 +106,15 @@ def build(world: int, rows_total: int, dim: int, whole_row: bool, chunk_rows: in
 def timed_save_and_load(model, path: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
     from torchrec_kvzch.checkpoint.planner import KVZCHLoadPlanner, KVZCHSavePlanner
+    from torchrec_kvzch.checkpoint.writer import KVZCHFileSystemWriter
 
     dist.barrier()
     t0 = time.perf_counter()
     state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
     state_dict_s = time.perf_counter() - t0
     # Two writer threads: one materialises chunks while the other writes (see the README).
-    dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=2), planner=KVZCHSavePlanner())
+    dcp.save(state, storage_writer=KVZCHFileSystemWriter(path, thread_count=2), planner=KVZCHSavePlanner())
     dist.barrier()
     save_s = time.perf_counter() - t0 - state_dict_s
     del state
@@ -136,12 +139,12 @@ def timed_async_save(model, store, path: str, checkpoint_group) -> dict:
     """async_save, then train until the checkpoint is written."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from torchrec_kvzch.checkpoint.planner import KVZCHSavePlanner
     from torchrec_kvzch.checkpoint.staging import KVZCHAsyncStager
     from torchrec_kvzch.checkpoint.state_dict import kv_view
+    from torchrec_kvzch.checkpoint.writer import KVZCHFileSystemWriter
 
     gen = torch.Generator().manual_seed(dist.get_rank())
     ids, world = store.sorted_ids(), dist.get_world_size()
@@ -156,7 +159,7 @@ def timed_async_save(model, store, path: str, checkpoint_group) -> dict:
     dist.barrier()
     t0 = time.perf_counter()
     state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
-    future = dcp.async_save(state, storage_writer=FileSystemWriter(path, thread_count=2),
+    future = dcp.async_save(state, storage_writer=KVZCHFileSystemWriter(path, thread_count=2),
                             planner=KVZCHSavePlanner(), async_stager=stager,
                             process_group=checkpoint_group)
     blocked_s = time.perf_counter() - t0
@@ -243,19 +246,24 @@ def worker(args) -> None:
         if whole_row:  # ours, stock DCP's and the raw bytes side by side, a few times over
             dense, runs = dense_tensor(nbytes), []
             raw = np.random.default_rng(rank).integers(0, 255, nbytes, dtype=np.uint8)
+            steps = [partial(timed_save_and_load, model), partial(timed_dcp_dense, dense),
+                     partial(raw_write_and_read, data=raw)]
             for rep in range(args.repeats):
-                runs.append({**timed_save_and_load(model, f"{path}-{rep}"),
-                             **timed_dcp_dense(dense, f"{args.dir}/dense-{rep}"),
-                             **raw_write_and_read(f"{args.dir}/raw-{rank}.bin", raw)})
+                paths = [f"{path}-{rep}", f"{args.dir}/dense-{rep}", f"{args.dir}/raw-{rank}.bin"]
+                run, order = {}, list(zip(steps, paths))
+                # Every other run in reverse: a write is slower once earlier ones filled the cache.
+                for step, where in order[:: 1 if rep % 2 == 0 else -1]:
+                    run.update(step(where))
+                runs.append(run)
                 dist.barrier()
                 if rank == 0:  # the disk holds one run's files at a time
                     for old in (f"{path}-{rep}", f"{args.dir}/dense-{rep}"):
                         shutil.rmtree(old, ignore_errors=True)
             del dense, raw
+            out["runs"] = [{k: v for k, v in run.items() if k != "rss_trace"} for run in runs]
             r = {key: (max if key.startswith("load_peak") else statistics.median)(run[key] for run in runs)
-                 for key in runs[0] if key != "rss_trace"}
+                 for key in ("state_dict_s", "load_peak_extra_mib")}
             r["rss_trace"] = runs[-1]["rss_trace"]
-            out.update({k: r.pop(k) for k in [k for k in r if k.endswith("_dcp_dense") or k.startswith("raw_")]})
         else:
             r = timed_save_and_load(model, path)
         out.update({f"{k}_{tag}": v for k, v in r.items()})
@@ -272,22 +280,30 @@ def worker(args) -> None:
 
 
 def summarize(per_rank: list[dict], suffix: str) -> dict:
-    """Slowest rank's times, largest rank's extra memory."""
+    """Slowest rank's times, largest rank's extra memory. The whole-row save and load and
+    their baselines: each run's slowest rank, then the median over the runs; a ratio is the
+    median of the runs' ratios, each of two times taken seconds apart."""
     worst = lambda key: max(r[key] for r in per_rank)  # noqa: E731
+    runs = [{key: max(r["runs"][i][key] for r in per_rank) for key in per_rank[0]["runs"][i]}
+            for i in range(len(per_rank[0]["runs"]))]
+    median = lambda f: statistics.median(f(run) for run in runs)  # noqa: E731
     out = {}
+    for key in ("save_s", "load_s"):
+        out[f"{key}_whole_row{suffix}"] = median(lambda run: run[key])
+        out[f"{key}_legacy{suffix}"] = worst(f"{key}_legacy")
     for tag in ("whole_row", "legacy"):
-        for key in ("save_s", "load_s", "load_peak_extra_mib"):
-            out[f"{key}_{tag}{suffix}"] = worst(f"{key}_{tag}")
-    out[f"raw_write_s{suffix}"], out[f"raw_read_s{suffix}"] = worst("raw_write_s"), worst("raw_read_s")
+        out[f"load_peak_extra_mib_{tag}{suffix}"] = worst(f"load_peak_extra_mib_{tag}")
+    for key in ("raw_write_s", "raw_read_s", "save_s_dcp_dense", "load_s_dcp_dense"):
+        out[f"{key}{suffix}"] = median(lambda run: run[key])
     out[f"checkpoint_bytes{suffix}"] = sum(r["bytes_per_rank_whole_row"] for r in per_rank)
     # Same bytes, same machine: the save's throughput against a raw write.
-    out[f"save_throughput_ratio_vs_raw{suffix}"] = out[f"raw_write_s{suffix}"] / out[f"save_s_whole_row{suffix}"]
+    out[f"save_throughput_ratio_vs_raw{suffix}"] = median(lambda run: run["raw_write_s"] / run["save_s"])
     # Same bytes through stock DCP as one plain tensor: ours / theirs (lower is better).
     for op in ("save", "load"):
-        out[f"{op}_s_dcp_dense{suffix}"] = worst(f"{op}_s_dcp_dense")
-        out[f"{op}_vs_dcp_dense_ratio{suffix}"] = out[f"{op}_s_whole_row{suffix}"] / out[f"{op}_s_dcp_dense{suffix}"]
+        out[f"{op}_vs_dcp_dense_ratio{suffix}"] = median(lambda run: run[f"{op}_s"] / run[f"{op}_s_dcp_dense"])
+    out[f"runs{suffix}"] = runs
     # Time before training may go on: state dict + async_save's return, vs state dict + save.
-    sync = worst("state_dict_s_whole_row") + worst("save_s_whole_row")
+    sync = worst("state_dict_s_whole_row") + out[f"save_s_whole_row{suffix}"]
     for key in ("async_blocked_s", "async_total_s", "async_copied_mib"):
         out[f"{key}{suffix}"] = worst(key)
     out[f"async_train_steps{suffix}"] = min(r["async_train_steps"] for r in per_rank)
@@ -319,7 +335,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4_000_000)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--dir", help="where checkpoints are written (default: a temporary folder)")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="whole-row save and load, DCP's and the raw write: median of this many runs")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

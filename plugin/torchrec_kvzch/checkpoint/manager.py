@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 
 from torchrec_kvzch.checkpoint.planner import KVZCHLoadPlanner, KVZCHSavePlanner
 from torchrec_kvzch.checkpoint.staging import KVZCHAsyncStager
+from torchrec_kvzch.checkpoint.writer import KVZCHFileSystemWriter
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -66,7 +66,7 @@ class CheckpointManager:
         if _rank() == 0 and partial.exists():
             shutil.rmtree(partial)  # an earlier attempt at this step that died
         self._barrier()
-        writer = FileSystemWriter(partial, thread_count=self.writer_threads)
+        writer = KVZCHFileSystemWriter(partial, thread_count=self.writer_threads)
         if not asynchronous:
             dcp.save(state, storage_writer=writer, planner=KVZCHSavePlanner(),
                      process_group=self.process_group)

@@ -1,9 +1,12 @@
 """The id map: native op and torch twin agree with a plain-Python model on any operation sequence."""
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from torchrec_kvzch.store import id_map
 from torchrec_kvzch.store.id_map import (
     BUCKET, MAX_LOAD, MIN_CAPACITY, IdMap, IdOutOfRange, TorchKernels, home, native_status,
 )
@@ -46,14 +49,27 @@ ids_st = st.lists(st.one_of(st.integers(0, 3000), st.integers(2**32, 2**62)), ma
 ops_st = st.lists(st.tuples(st.sampled_from(["insert", "find", "erase"]), ids_st), min_size=1, max_size=12)
 
 
+@contextlib.contextmanager
+def lookup_first(on: bool):
+    """find_or_insert with (on) or without a lookup of every id first, whatever the last batch."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(id_map, "LOOKUP_FIRST_BELOW", 2.0 if on else 0.0)
+        yield
+
+
 def test_native_op_is_built():
     assert native_status(strict=True)
 
 
-@given(ops=ops_st)
-def test_backends_agree_with_reference_on_any_sequence(ops):
+@given(ops=ops_st, first=st.booleans())
+def test_backends_agree_with_reference_on_any_sequence(ops, first):
     ref = ReferenceMap()
     maps = {b: IdMap(b) for b in BACKENDS}
+    with lookup_first(first):
+        run_ops(ops, ref, maps)
+
+
+def run_ops(ops, ref, maps):
     for op, ids in ops:
         t = torch.tensor(ids, dtype=torch.long)
         if op == "insert":
@@ -127,13 +143,14 @@ def test_bad_ids_are_rejected_before_any_change(backend):
     assert m.keys().tolist() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("first", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bounds_are_checked_before_any_change(backend):
+def test_bounds_are_checked_before_any_change(backend, first):
     """A lookup refuses ids outside its bounds in the same pass, naming the first one, and inserts
     nothing; an absent id inside them reads -1."""
     m = IdMap(backend)
     m.find_or_insert(torch.tensor([10, 11]))
-    with pytest.raises(IdOutOfRange) as caught:
+    with pytest.raises(IdOutOfRange) as caught, lookup_first(first):
         m.find_or_insert(torch.tensor([12, 10, 25, 9, 30]), bounds=(10, 20))
     assert caught.value.id == 25 and caught.value.bounds == (10, 20)
     assert m.keys().tolist() == [10, 11]
@@ -160,8 +177,9 @@ def _ids_with_home(bucket_start: int, capacity: int, count: int) -> list[int]:
     return pool[home(pool, capacity) == bucket_start][:count].tolist()
 
 
+@pytest.mark.parametrize("first", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
-def test_native_slots_do_not_depend_on_threads(threads):
+def test_native_slots_do_not_depend_on_threads(threads, first):
     """The native find_or_insert splits the table into one region per thread. Slots come out in
     first-appearance order whatever the split, including for ids whose probe runs from one region
     into the next, or from the table's end around to its start."""
@@ -184,9 +202,10 @@ def test_native_slots_do_not_depend_on_threads(threads):
         m, ref = IdMap("native"), ReferenceMap()
         m.reserve(2000)
         assert m.capacity == capacity
-        for batch in batches:
-            assert m.find_or_insert(torch.tensor(batch)).tolist() == ref.find_or_insert(batch)
-            assert m.keys().tolist() == ref.keys
+        with lookup_first(first):  # (then only the absent ids of a batch go through the regions)
+            for batch in batches:
+                assert m.find_or_insert(torch.tensor(batch)).tolist() == ref.find_or_insert(batch)
+                assert m.keys().tolist() == ref.keys
     finally:
         torch.set_num_threads(before)
     # The table it built reads the same through the torch twin.

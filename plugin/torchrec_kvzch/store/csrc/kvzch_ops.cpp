@@ -181,15 +181,21 @@ std::tuple<at::Tensor, int64_t, int64_t> lookup(const at::Tensor& table, const a
 // [lo, hi) or -1, new size). New ids take slots size, size + 1, ... in order of first appearance,
 // whatever the number of threads. The caller guarantees room: the table keeps an empty entry
 // with every distinct new id in it, and slot_keys has room for `size + len(ids)` slots.
-// Each id's entry is read once, in parallel. The table is cut into one contiguous region per
-// thread; a thread serves the ids whose bucket lies in its region, in batch order, so it owns
-// every entry it writes and meets each new id first at its first appearance. A new id claims
-// the first empty entry on its path (tombstones are left to the rehash), marked with that
-// index; its repeats read the mark. The rare probe that would run into the next region is
-// finished afterwards, serially, in batch order (every repeat of its id runs there too).
-// Ranking the first appearances in batch order then gives the slots, written into the claimed
-// entries and slot_keys. Measured at 9M keys: 1.1-1.2x a plain lookup, where a lookup followed by
-// a serial insert of the absent ids took 1.8x.
+// With `lookup_first`, a read-only lookup of every id comes first: it checks the bounds and
+// resolves the ids already present, so that a batch with few new ids (most batches, once
+// training is warm) costs little more than a lookup; the caller asks for it when the last batch
+// had few new ids, as probing the absent ones again costs more than it saves when they are many
+// (A/B at LOOKUP_FIRST_BELOW in id_map.py). Then the ids left (all of them without
+// `lookup_first`, after a bounds pass; a bad batch changes nothing) go through the insert pass:
+// the table is cut into one contiguous region per thread; a thread serves the ids whose bucket
+// lies in its region, in batch order, so it owns every entry it writes and meets each new id
+// first at its first appearance. A new id claims the first empty entry on its path (tombstones
+// are left to the rehash), marked with that index; its repeats read the mark. The rare probe
+// that would run into the next region is finished afterwards, serially, in batch order (every
+// repeat of its id runs there too). Ranking the first appearances in batch order then gives the
+// slots, written into the claimed entries and slot_keys. The insert pass over a whole batch
+// took 1.1-1.2x a lookup at 9M keys (a lookup followed by a serial insert of the absent ids took
+// 1.8x).
 constexpr int64_t kMark = int64_t{1} << 62;  // a claimed entry's slot: kMark + first index
 constexpr int64_t kRepeat = std::numeric_limits<int64_t>::min();  // o[i] = kRepeat + first index
 
@@ -218,7 +224,8 @@ inline bool claim(Entry* t, uint64_t mask, int64_t id, int64_t i, uint64_t pos, 
 
 std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Tensor slot_keys,
                                                         const at::Tensor& ids, int64_t lo,
-                                                        int64_t hi, int64_t size) {
+                                                        int64_t hi, int64_t size,
+                                                        bool lookup_first) {
   check_ids(ids);
   auto [t, mask] = entries(table);
   TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous(),
@@ -226,47 +233,66 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
   const int64_t n = ids.numel();
   TORCH_CHECK(size + n <= slot_keys.numel(), "kvzch id map: slot_keys has no room for the batch");
   const int64_t* q = ids.data_ptr<int64_t>();
-  auto out = at::empty_like(ids);
+  at::Tensor out;
+  if (lookup_first) {  // present ids resolved, absent ones -1; nothing allocated when all found
+    int64_t bad = -1, misses = 0;
+    std::tie(out, bad, misses) = lookup(table, ids, lo, hi);
+    if (bad >= 0 || misses == 0) return {out, bad, size};
+  } else {
+    out = at::empty_like(ids);
+  }
   int64_t* o = out.data_ptr<int64_t>();
-
-  // Bounds first, so that a bad batch changes nothing; the same pass finds each id's bucket.
+  // The ids left to insert (`absent[j]`, in batch order) and their buckets (`homes[j]`).
+  std::unique_ptr<int64_t[]> absent(new int64_t[n]);
   std::unique_ptr<uint64_t[]> homes(new uint64_t[n]);
-  std::atomic<int64_t> bad{std::numeric_limits<int64_t>::max()};
-  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (q[i] < lo || q[i] >= hi) {
-        lower_to(bad, i);
-        return;
-      }
-      homes[i] = home(q[i], mask);
+  int64_t m = n;
+  if (lookup_first) {
+    m = 0;
+    for (int64_t i = 0; i < n; ++i) {  // without branches: they would mispredict
+      absent[m] = i;
+      m += o[i] < 0;
     }
-  });
-  if (bad.load() != std::numeric_limits<int64_t>::max()) return {out, bad.load(), size};
+    at::parallel_for(0, m, 1 << 14, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) homes[j] = home(q[absent[j]], mask);
+    });
+  } else {
+    std::atomic<int64_t> bad{std::numeric_limits<int64_t>::max()};
+    at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        if (q[i] < lo || q[i] >= hi) {
+          lower_to(bad, i);
+          return;
+        }
+        absent[i] = i;
+        homes[i] = home(q[i], mask);
+      }
+    });
+    if (bad.load() != std::numeric_limits<int64_t>::max()) return {out, bad.load(), size};
+  }
 
   const int64_t capacity = static_cast<int64_t>(mask) + 1;
   const int64_t regions = std::clamp<int64_t>(at::get_num_threads(), 1, capacity / 1024 + 1);
   const int64_t span = capacity / regions / static_cast<int64_t>(kBucket) * kBucket;
-  std::vector<std::vector<int64_t>> crossing(regions);
+  std::vector<std::vector<int64_t>> crossing(regions);  // positions j in `absent`
   std::atomic<int64_t> claimed{0};  // first appearances of new ids
   at::parallel_for(0, regions, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t c = r0; c < r1; ++c) {
       const uint64_t first = c * span;
       const uint64_t last = c + 1 == regions ? capacity : (c + 1) * span;
-      // The region's ids in batch order, listed without branches (they would mispredict).
-      std::unique_ptr<int64_t[]> own(new int64_t[n]);
+      std::unique_ptr<int64_t[]> own(new int64_t[m]);
       int64_t count = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        own[count] = i;
-        count += homes[i] >= first && homes[i] < last;
+      for (int64_t j = 0; j < m; ++j) {
+        own[count] = j;
+        count += homes[j] >= first && homes[j] < last;
       }
       // The last region's probes wrap into the first one's (none with a single region).
       const int64_t limit = regions == 1 ? -1 : static_cast<int64_t>(last & mask);
       int64_t mine = 0;
-      for (int64_t j = 0; j < count; ++j) {
-        prefetch_probes(t, mask, j, count, [&](int64_t k) { return homes[own[k]]; });
-        const int64_t i = own[j];
-        if (!claim(t, mask, q[i], i, homes[i], limit, o)) {
-          crossing[c].push_back(i);
+      for (int64_t k = 0; k < count; ++k) {
+        prefetch_probes(t, mask, k, count, [&](int64_t x) { return homes[own[x]]; });
+        const int64_t j = own[k], i = absent[j];
+        if (!claim(t, mask, q[i], i, homes[j], limit, o)) {
+          crossing[c].push_back(j);
         } else {
           mine += is_first(o[i]);
         }
@@ -277,25 +303,25 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
   std::vector<int64_t> rest;
   for (const auto& v : crossing) rest.insert(rest.end(), v.begin(), v.end());
   std::sort(rest.begin(), rest.end());
-  for (const int64_t i : rest) {
-    claim(t, mask, q[i], i, homes[i], -1, o);
-    claimed += is_first(o[i]);
+  for (const int64_t j : rest) {
+    claim(t, mask, q[absent[j]], absent[j], homes[j], -1, o);
+    claimed += is_first(o[absent[j]]);
   }
   if (claimed.load() == 0) return {out, -1, size};  // every id was present: nothing to rank
 
-  // Ranks in batch order: each fixed chunk lists its first appearances, a prefix over the
-  // chunks' counts gives each chunk's first slot, then the chunks write their slots.
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  const int64_t per = (n + chunks - 1) / chunks;
-  std::unique_ptr<int64_t[]> firsts(new int64_t[n]);  // chunk c's list starts at c * per
+  // Ranks in batch order: each fixed chunk of the absent ids lists its first appearances, a
+  // prefix over the chunks' counts gives each chunk's first slot, then the chunks write slots.
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), m));
+  const int64_t per = (m + chunks - 1) / chunks;
+  std::unique_ptr<int64_t[]> firsts(new int64_t[m]);  // chunk c's list starts at c * per
   std::vector<int64_t> counts(chunks);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* mine = firsts.get() + c * per;
       int64_t count = 0;
-      for (int64_t i = c * per; i < std::min(n, (c + 1) * per); ++i) {
-        mine[count] = i;
-        count += is_first(o[i]);
+      for (int64_t j = c * per; j < std::min(m, (c + 1) * per); ++j) {
+        mine[count] = absent[j];
+        count += is_first(o[absent[j]]);
       }
       counts[c] = count;
     }
@@ -319,8 +345,9 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
     }
   });
   // Repeats take the slot of their first appearance, resolved above.
-  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  at::parallel_for(0, m, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t i = absent[j];
       if (o[i] <= kRepeat / 2) o[i] = o[o[i] - kRepeat];
     }
   });
@@ -429,8 +456,8 @@ TORCH_LIBRARY(kvzch, m) {
   m.def("probe(Tensor table, Tensor ids) -> Tensor");
   m.def("lookup(Tensor table, Tensor ids, int lo, int hi) -> (Tensor, int, int)");
   m.def(
-      "find_or_insert(Tensor(a!) table, Tensor(b!) slot_keys, Tensor ids, int lo, int hi, int size) "
-      "-> (Tensor, int, int)");
+      "find_or_insert(Tensor(a!) table, Tensor(b!) slot_keys, Tensor ids, int lo, int hi, int size, "
+      "bool lookup_first) -> (Tensor, int, int)");
   m.def("uniform_by_id_(Tensor(a!) out, Tensor ids, float low, float high, int seed) -> ()");
   m.def("touch(Tensor(a!) meta, Tensor slots, int clock) -> ()");
 }

@@ -75,7 +75,7 @@ def test_whole_rows_round_trip_under_any_chunking(optimizer, dtype, n, dim, chun
     order = src.sorted_ids()
     dst = RowStore(p)
     for start in range(0, len(src), chunk):
-        dst.write_rows(src.read_range(start, min(chunk, len(src) - start), RowPart.ROW))
+        dst.write_rows(src.read(torch.arange(start, min(start + chunk, len(src))), RowPart.ROW))
     assert len(dst) == len(src)
     assert torch.equal(bits(dst.read_ids(order, RowPart.ROW)), bits(src.read_ids(order, RowPart.ROW)))
     header = dst.read_ids(order, RowPart.ROW)[:, : dst.layout.header_width].contiguous().view(torch.long)
@@ -112,18 +112,16 @@ def test_delete_keeps_surviving_rows_intact(backend):
     assert len(store) == 0 and store.capacity <= 1024
 
 
-def test_reads_and_writes_by_part_and_range():
+def test_reads_and_writes_by_part_and_slot():
     p = params(3)
     store = RowStore(p)
     ids = torch.tensor([10, 20, 30])
     store.write_ids(ids, torch.ones(3, 3), RowPart.WEIGHT)
     store.write_ids(ids[1:], torch.full((2, 1), 0.5), RowPart.OPTIMIZER)
     assert torch.equal(store.read_ids(ids, RowPart.OPTIMIZER).squeeze(1), torch.tensor([0.0, 0.5, 0.5]))
-    store.write_range(1, torch.full((2, 3), 2.0))
-    assert torch.equal(store.read_range(0, 3), torch.tensor([[1.0] * 3, [2.0] * 3, [2.0] * 3]))
+    store.write(torch.tensor([1, 2]), torch.full((2, 3), 2.0))
+    assert torch.equal(store.read(torch.arange(3)), torch.tensor([[1.0] * 3, [2.0] * 3, [2.0] * 3]))
     assert torch.equal(store.read_ids(torch.tensor([99])), torch.zeros(1, 3))  # absent: zeros
-    with pytest.raises(IndexError, match="slot range"):
-        store.read_range(2, 5)
     with pytest.raises(ValueError, match=r"weight values must be \[2, 3\]"):
         store.write_ids(ids[:2], torch.ones(2, 4))
 

@@ -19,23 +19,15 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvzch.config import ShardingConfig
+from torchrec_kvzch.store.id_map import mix64  # splitmix64: a cheap, well-spread hash
 
 DENSE_FEATURES = INT_FEATURE_COUNT  # 13, as in Criteo
 _PROBE_STEP = -1  # the fixed batch that predictions are compared on
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 (wrapping): a cheap, well-spread hash of ids and ranks."""
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * -4658895280553007687  # 0xbf58476d1ce4e5b9
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * -7723592293110705685  # 0x94d049bb133111eb
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
-
-
 def _unit(x: torch.Tensor) -> torch.Tensor:
     """A hash mapped to [-1, 1)."""
-    return ((_mix(x) >> 11) & ((1 << 53) - 1)).double().div(2.0**52).sub(1.0)
+    return ((mix64(x) >> 11) & ((1 << 53) - 1)).double().div(2.0**52).sub(1.0)
 
 
 def _rank_slice(n: int, rank: int, world_size: int) -> slice:
@@ -89,8 +81,8 @@ class SyntheticClickLog:
     def _uniform(self, step: int, stream: int, index: torch.Tensor) -> torch.Tensor:
         """Counter-based uniforms in [0, 1): example ``index`` of ``step`` gets the same numbers
         whichever rank draws them, so a rank computes only its own slice."""
-        key = int(_mix(torch.tensor([(self.seed << 40) + ((step + 2) << 8) + stream]))[0])
-        return ((_mix(index + key) >> 11) & ((1 << 53) - 1)).double() / 2.0**53
+        key = int(mix64(torch.tensor([(self.seed << 40) + ((step + 2) << 8) + stream]))[0])
+        return ((mix64(index + key) >> 11) & ((1 << 53) - 1)).double() / 2.0**53
 
     def _examples(self, step: int, index: torch.Tensor) -> Batch:
         nf, n = len(self.features), index.numel()
@@ -103,7 +95,7 @@ class SyntheticClickLog:
         position = self.population + (step + 2) * self.global_batch_size + index
         ranks = torch.where(fresh, position.expand(nf, n), ranks)
         salt = (torch.arange(nf) + 1) * -7046029254386353131  # 0x9e3779b97f4a7c15
-        ids = (_mix(ranks ^ salt[:, None]) & ((1 << 62) - 1)) % self.id_space[:, None]
+        ids = (mix64(ranks ^ salt[:, None]) & ((1 << 62) - 1)) % self.id_space[:, None]
         # Dense features: standard normals by Box-Muller.
         u1 = torch.stack([self._uniform(step, 128 + j, index) for j in range(DENSE_FEATURES)], 1)
         u2 = torch.stack([self._uniform(step, 192 + j, index) for j in range(DENSE_FEATURES)], 1)

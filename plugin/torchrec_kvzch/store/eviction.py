@@ -41,10 +41,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from torchrec_kvzch.params import EvictionKind, EvictionPolicy, EvictionTrigger, RankBudget
-from torchrec_kvzch.store.layout import meta_count, meta_timestamp
+from torchrec_kvzch.store.layout import meta_count, meta_count_then_timestamp, meta_timestamp, with_count
 
-_COUNT_SHIFT = 32
-_COUNT_MASK = (1 << 31) - 1
 # Peak scratch of one eviction, per live row: two masks, the order keys and their candidate copy
 # (int64 for lfu, which the budget accounting assumes for every order).
 SCRATCH_BYTES_PER_ROW = 1 + 1 + 8 + 8
@@ -75,7 +73,7 @@ def order_key(meta: torch.Tensor, order: EvictionKind) -> torch.Tensor:
     """Per row, a key that is smaller for rows that should go first: the count then the
     timestamp for ``lfu``, the timestamp otherwise."""
     if order is EvictionKind.LFU:
-        return meta_timestamp(meta) | (meta_count(meta) << _COUNT_SHIFT)
+        return meta_count_then_timestamp(meta)
     # The timestamp is the low int32 of the meta word: a view, no copy.
     return meta.view(torch.int32)[0::2] if meta.numel() else meta_timestamp(meta)
 
@@ -217,7 +215,7 @@ class Evictor:
         if policy.count_decay < 1.0:
             count = (meta_count(meta).double() * policy.count_decay).floor().long()
             store.before_header_rewrite()
-            meta.copy_((meta & ~(_COUNT_MASK << _COUNT_SHIFT)) | (count << _COUNT_SHIFT))
+            meta.copy_(with_count(meta, count))
         rare = meta_count(meta) < policy.count_threshold
         if policy.ttl_steps is None and policy.ttl_minutes is None:
             return rare

@@ -56,6 +56,16 @@ def meta_count(meta: torch.Tensor) -> torch.Tensor:
     return (meta >> 32) & _COUNT_MASK
 
 
+def meta_count_then_timestamp(meta: torch.Tensor) -> torch.Tensor:
+    """Header words as keys that order rows by count, then timestamp (the used bit cleared)."""
+    return meta & (_USED_BIT - 1)
+
+
+def with_count(meta: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Header words with their access counts replaced by ``count`` (timestamp and used bit kept)."""
+    return (meta & ~(_COUNT_MASK << 32)) | ((count & _COUNT_MASK) << 32)
+
+
 def meta_used(meta: torch.Tensor) -> torch.Tensor:
     return meta < 0  # the used bit is the int64 sign bit
 

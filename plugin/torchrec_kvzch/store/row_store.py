@@ -147,15 +147,6 @@ class RowStore:
         return self.arrays.nbytes + self.map.nbytes
 
     @property
-    def live_weights(self) -> torch.Tensor:
-        """``[len, D]`` view of the weights of live rows, indexed by slot."""
-        return self.weights[: len(self)]
-
-    @property
-    def live_optimizer(self) -> torch.Tensor:
-        return self.optimizer[: len(self)]
-
-    @property
     def inserted(self) -> int:
         return int(self.inserted_per_bucket.sum())
 
@@ -265,10 +256,6 @@ class RowStore:
         rows = self.layout.pack(keys, a.meta[slots], a.weights[slots], a.optimizer[slots])
         return rows if out is None else out.copy_(rows)
 
-    def read_range(self, start: int, length: int, part: RowPart = RowPart.WEIGHT) -> torch.Tensor:
-        self._check_range(start, length)
-        return self.read(torch.arange(start, start + length, device=self.device), part)
-
     def read_ids(self, ids: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> torch.Tensor:
         """Rows of ids; an absent id reads as zeros (as a whole row: key = id, used bit 0)."""
         ids = as_ids(ids, self.device)
@@ -345,10 +332,6 @@ class RowStore:
             self.weights[slots] = weights
             self.optimizer[slots] = optimizer
             self.meta[slots] = meta | make_meta(0, 0, used=True)
-
-    def write_range(self, start: int, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
-        self._check_range(start, values.shape[0])
-        self.write(torch.arange(start, start + values.shape[0], device=self.device), values, part)
 
     def write_ids(self, ids: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
         """Write ``part`` of the rows of ids, creating absent rows first. For whole rows the ids
@@ -507,11 +490,6 @@ class RowStore:
             f"[{r.id_start}, {r.id_end}) (buckets [{r.start}, {r.end}) of size {r.size}); "
             "route ids to the rank owning their bucket (id // bucket_size)"
         )
-
-    def _check_range(self, start: int, length: int) -> None:
-        if start < 0 or length < 0 or start + length > len(self):
-            raise IndexError(f"table '{self.params.name}': slot range [{start}, {start + length}) "
-                             f"is outside the {len(self)} live rows")
 
     def _check_values(self, values: torch.Tensor, n: int, part: RowPart) -> torch.Tensor:
         width, dtype = self.layout.width(part), self.layout.part_dtype(part)

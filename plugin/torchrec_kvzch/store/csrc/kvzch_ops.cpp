@@ -9,7 +9,7 @@
 // sentinels, so either implementation can operate on a table built by the other.
 //
 // Why hand-written: no maintained library offers a batched int64 -> dense-slot map over
-// torch-owned memory; pandas' khash and std::unordered_map were 3-5x slower here (DESIGN.md §5).
+// torch-owned memory; pandas' khash and std::unordered_map were 3-5x slower here.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

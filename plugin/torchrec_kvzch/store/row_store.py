@@ -304,8 +304,8 @@ class RowStore:
             self._frozen = tuple(f for f in self._frozen if f is not frozen)
 
     def bucket_counts(self) -> torch.Tensor:
-        """Rows per local bucket, ``[bucket_range.num_buckets]`` int64."""
-        return torch.bincount(self.local_buckets(self.map.keys()), minlength=self.bucket_range.num_buckets)
+        """Rows per local bucket, ``[bucket_range.num_buckets]`` int64 (a snapshot's count)."""
+        return self.snapshot().bucket_counts()
 
     # -- writes -------------------------------------------------------------------------------
     def write(self, slots: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:

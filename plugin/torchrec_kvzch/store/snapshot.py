@@ -47,9 +47,9 @@ class RowSnapshot:
         return self.ids.numel()
 
     def bucket_counts(self) -> torch.Tensor:
-        """Rows per local bucket, as ``RowStore.bucket_counts``. The ids ascend, so each bucket's
-        rows are one run, found by binary search: a pass over every id cost a quarter of the
-        state dict of a 4M-row table."""
+        """Rows per local bucket, ``[bucket_range.num_buckets]`` int64. The ids ascend, so each
+        bucket's rows are one run, found by binary search: a pass over every id cost a quarter
+        of the state dict of a 4M-row table."""
         r = self.store.bucket_range
         edges = [min(r.id_start + k * r.size, ANY_ID[1]) for k in range(r.num_buckets + 1)]
         return torch.diff(torch.searchsorted(self.ids, torch.tensor(edges, device=self.ids.device)))

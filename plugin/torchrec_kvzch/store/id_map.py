@@ -87,6 +87,12 @@ def table_bytes(n: int) -> int:
     return capacity_for(n) * 16
 
 
+def map_bytes(n: int, slack: float = 1.0) -> int:
+    """Bytes of a map holding n keys: its hash table, and its slot -> id array with room for
+    ``slack`` times n ids (the array grows geometrically)."""
+    return table_bytes(n) + int(n * slack) * 8
+
+
 class IdOutOfRange(ValueError):
     """An id outside a lookup's bounds; the caller words the error (it knows the table)."""
 

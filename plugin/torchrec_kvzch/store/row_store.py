@@ -29,6 +29,7 @@ from torchrec_kvzch.store.id_map import (
     IdOutOfRange,
     as_ids,
     empty_large,
+    map_bytes,
     regrown,
     release_rows,
     table_bytes,
@@ -179,12 +180,11 @@ class RowStore:
         ``reserved``: arrays reserved up front (a budget), so no growth slack; instead the peak
         working memory counts - a second hash table while tombstones are rehashed away, and
         eviction's per-row scratch (``eviction.py``)."""
-        row_bytes = (layout.embedding_dim * layout.itemsize + layout.optimizer_floats * 4
-                     + 8 + 8)  # weights, optimizer, meta word, slot -> id
-        table = table_bytes(rows)
+        # weights, optimizer, meta word
+        row_bytes = layout.embedding_dim * layout.itemsize + layout.optimizer_floats * 4 + 8
         if reserved:
-            return rows * (row_bytes + SCRATCH_BYTES_PER_ROW) + 2 * table
-        return int(rows * row_bytes * _GROWTH) + table
+            return rows * (row_bytes + SCRATCH_BYTES_PER_ROW) + table_bytes(rows) + map_bytes(rows)
+        return int(rows * row_bytes * _GROWTH) + map_bytes(rows, _GROWTH)
 
     # -- id -> slot ---------------------------------------------------------------------------
     def find(self, ids: torch.Tensor) -> torch.Tensor:

@@ -217,7 +217,7 @@ def upstream_state(model, with_metadata=True):
         if with_metadata:
             state["model"][base + "metadata"] = one_shard_per_rank(store.read_ids(ids, "meta"))
         starts = [store.params.bucket_range(r, world).start for r in range(world)] + [BUCKETS]
-        state["model"][base + "bucket"] = one_shard_per_rank(store.snapshot().bucket_counts().unsqueeze(1), starts)
+        state["model"][base + "bucket"] = one_shard_per_rank(store.bucket_counts().unsqueeze(1), starts)
         optimizer = store.read_ids(ids, "optimizer")
         state["optim"]["state"][base + "weight"][f"{name}.momentum1"] = one_shard_per_rank(
             optimizer if whole else optimizer.reshape(-1))

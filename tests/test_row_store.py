@@ -155,7 +155,7 @@ def test_ids_outside_the_shard_are_rejected_before_any_change():
     with pytest.raises(ValueError, match=r"table 'tbl': id 0 is outside this shard's ids"):
         store.find_or_insert(torch.tensor([shard.id_start + 1, 0]))
     assert len(store) == 1
-    counts = store.snapshot().bucket_counts()
+    counts = store.bucket_counts()
     assert counts.shape == (64,) and counts.tolist()[0] == 1 and int(counts.sum()) == 1
 
 
@@ -164,7 +164,7 @@ def test_bucket_sorted_ids_and_counts():
     store = RowStore(p, bucket_range=p.bucket_range(0, 1))
     store.find_or_insert(torch.tensor([950, 3, 512, 99, 100, 101]))
     assert store.sorted_ids().tolist() == [3, 99, 100, 101, 512, 950]
-    assert store.snapshot().bucket_counts().tolist() == [2, 2, 0, 0, 0, 1, 0, 0, 0, 1]
+    assert store.bucket_counts().tolist() == [2, 2, 0, 0, 0, 1, 0, 0, 0, 1]
 
 
 def test_memory_is_proportional_to_live_rows():

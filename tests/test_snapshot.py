@@ -165,8 +165,8 @@ def test_reading_in_another_thread_while_training():
        picks=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["first", "last", "any"])),
                       max_size=60))
 def test_snapshot_bucket_counts_match_the_store(world, rank, total, size, picks):
-    """The snapshot counts rows per bucket by binary search over its sorted ids; the store by
-    dividing each id: the two agree for every shard, empty buckets included, with
+    """The snapshot counts rows per bucket by binary search over its sorted ids; it agrees with
+    a count by dividing each of the store's ids, for every shard, empty buckets included, with
     ids on the first and last id of their buckets."""
     rank, total = rank % world, max(total, world)
     p = KVZCHTableParams("tbl", 8, num_embeddings=total * size, total_num_buckets=total)

@@ -110,9 +110,9 @@ inline void lower_to(std::atomic<int64_t>& least, int64_t v) {
   }
 }
 
-// Position of `id` in the table, or -1 where it is absent.
-inline int64_t find_position(const Entry* t, uint64_t mask, int64_t id) {
-  for (uint64_t pos = home(id, mask);; pos = (pos + 1) & mask) {
+// Position of `id`, whose bucket starts at `pos`, in the table, or -1 where it is absent.
+inline int64_t find_position(const Entry* t, uint64_t mask, int64_t id, uint64_t pos) {
+  for (;; pos = (pos + 1) & mask) {
     const int64_t k = t[pos].key;
     if (k == id) return static_cast<int64_t>(pos);
     if (k == kEmpty) return -1;
@@ -122,22 +122,35 @@ inline int64_t find_position(const Entry* t, uint64_t mask, int64_t id) {
 // Runs on_found(i, position) for every id, in parallel, prefetching the entries of ids a few
 // steps ahead. Ids outside [lo, hi) are not looked up: the smallest index of such an id is
 // returned (-1 when all are inside), and the caller refuses the batch before changing anything.
+// Each id's bucket is hashed once, when its line is prefetched, and kept in a small ring until
+// its probe: hashing it again at each of the three steps that need it cost 9-16% of a lookup
+// at 1M keys (A/B in one build, 163,840 ids; within noise at 10M, where misses dominate).
 template <typename OnFound>
 int64_t probe_each(const Entry* t, uint64_t mask, const at::Tensor& ids, int64_t lo, int64_t hi,
                    OnFound on_found) {
   const int64_t* q = ids.data_ptr<int64_t>();
   std::atomic<int64_t> bad{std::numeric_limits<int64_t>::max()};
   at::parallel_for(0, ids.numel(), 4096, [&](int64_t begin, int64_t end) {
+    constexpr int64_t kRing = 64;  // a power of two above kBucketPrefetchDistance
+    static_assert(kRing > kBucketPrefetchDistance && kBucketPrefetchDistance > kPrefetchDistance);
+    uint64_t homes[kRing];
+    for (int64_t k = begin; k < std::min(end, begin + kBucketPrefetchDistance); ++k) {
+      homes[k & (kRing - 1)] = home(q[k], mask);
+    }
     int64_t first_bad = std::numeric_limits<int64_t>::max();
     for (int64_t i = begin; i < end; ++i) {
-      prefetch_probes(t, mask, i, end, [q, mask](int64_t k) { return home(q[k], mask); });
+      if (i + kBucketPrefetchDistance < end) {
+        const int64_t k = i + kBucketPrefetchDistance;
+        homes[k & (kRing - 1)] = home(q[k], mask);
+      }
+      prefetch_probes(t, mask, i, end, [&homes](int64_t k) { return homes[k & (kRing - 1)]; });
       const int64_t id = q[i];
       if (id < lo || id >= hi) {
         first_bad = std::min(first_bad, i);
         on_found(i, int64_t{-1});
         continue;
       }
-      on_found(i, find_position(t, mask, id));
+      on_found(i, find_position(t, mask, id, homes[i & (kRing - 1)]));
     }
     lower_to(bad, first_bad);
   });

@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCHREC := torchrec==1.8.0
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench venv clean gpu-kit
 
 venv: $(STAMP)
 
@@ -30,6 +30,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/run_all.py
+
+# The offline kit for a GPU machine without a package index (README, "GPUs"); not part of CI.
+gpu-kit:
+	tools/gpu/make_kit.sh .gpu
 
 clean:
 	rm -rf $(VENV) build plugin/*.egg-info plugin/torchrec_kvzch/*.so runs

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -37,19 +38,27 @@ from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.kernel import KVZCHTableKernel
 
 
-def build(rows: int, dim: int, seed: int):
+def build(rows: int, dim: int, seed: int, device: torch.device = torch.device("cpu")):
+    """Our kernel holding ``rows`` random ids' rows on ``device``, fbgemm's TBE holding the same
+    rows densely there, and the ids (on ``device``; id k's dense row is k)."""
     params = KVZCHTableParams("bench", dim, num_embeddings=2**40, total_num_buckets=1024,
                               learning_rate=0.01)
-    kernel = KVZCHTableKernel(params, params.bucket_range(0, 1), initial_rows=rows)
+    kernel = KVZCHTableKernel(params, params.bucket_range(0, 1), initial_rows=rows, device=device)
     gen = torch.Generator().manual_seed(seed)
     universe = torch.randint(0, 2**40, (int(rows * 1.01),), generator=gen).unique()[:rows]
-    universe = universe[torch.randperm(universe.numel(), generator=gen)]
-    kernel.store.find_or_insert(universe, touch=False)
+    universe = universe[torch.randperm(universe.numel(), generator=gen)].to(device)
+    for chunk in universe.split(1 << 22):
+        kernel.store.find_or_insert(chunk, touch=False)
+    cuda = device.type == "cuda"
     baseline = SplitTableBatchedEmbeddingBagsCodegen(
-        [(universe.numel(), dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer=params.optimizer.to_fbgemm(), learning_rate=params.learning_rate, eps=params.eps)
+        [(universe.numel(), dim, EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST,
+          ComputeDevice.CUDA if cuda else ComputeDevice.CPU)],
+        optimizer=params.optimizer.to_fbgemm(), learning_rate=params.learning_rate, eps=params.eps,
+        device=device)
     with torch.no_grad():
-        baseline.weights_host.copy_(kernel.store.read_ids(universe).view(-1))
+        weights = baseline.weights_dev if cuda else baseline.weights_host
+        for rows_at in torch.arange(universe.numel(), device=device).split(1 << 20):
+            weights.view(-1, dim)[rows_at] = kernel.store.read_ids(universe[rows_at])
     return kernel, baseline, universe
 
 
@@ -63,15 +72,20 @@ def batches(n_rows: int, batch: int, pooling: int, dist: str, count: int, seed: 
 
 
 def compare(kernel, baseline, universe, batch: int, pooling: int, dist: str, steps: int, warmup: int):
-    offsets = torch.arange(0, batch * pooling + 1, pooling, dtype=torch.long)
+    device = universe.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    offsets = torch.arange(0, batch * pooling + 1, pooling, dtype=torch.long, device=device)
     ours, base = [], []
     for i, local in enumerate(batches(universe.numel(), batch, pooling, dist, steps + warmup, seed=7)):
+        local = local.to(device)
         ids = universe[local]  # global ids for our kernel, row indices for the baseline
         pair = ((kernel, ids, ours), (baseline, local, base))
         for module, inputs, times in pair if i % 2 else pair[::-1]:
+            sync()
             t0 = time.perf_counter()
             out = module(inputs, offsets)
             out.backward(torch.ones_like(out))
+            sync()
             if i >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
     ours_ms, base_ms = statistics.median(ours), statistics.median(base)
@@ -88,10 +102,12 @@ def two_process(args) -> dict:
         torchrun(__file__, 2, ["--worker", str(out), "--json", str(out), "--steps", str(args.steps),
                                "--warmup", str(args.warmup), "--batch", str(args.batch),
                                "--pooling", str(args.pooling)])
-        return json.loads(out.read_text())
+        return {f"{key}_2proc": value for key, value in json.loads(out.read_text()).items()}
 
 
-def worker(args) -> None:
+def dmp_comparison(args, device: str = "cpu") -> dict | None:
+    """One rank of the DMP comparison (under torchrun; "cuda": NCCL, a GPU per local rank);
+    returns rank 0's medians, None on the other ranks."""
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
@@ -102,20 +118,27 @@ def worker(args) -> None:
     from torchrec_kvzch.config import load_config
     from torchrec_kvzch.sharding import kvzch_tables
 
-    dist.init_process_group("gloo")
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    on = torch.device("cuda") if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else lambda: None
     config = load_config(CONFIG)
     model = EmbeddingBagCollection(tables=config.embedding_bag_configs(), device=torch.device("meta"))
-    topology = Topology(world_size=world, compute_device="cpu", local_world_size=world)
+    topology = Topology(world_size=world, compute_device=on.type,
+                        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     plan = config.planner(topology, args.batch).collective_plan(model, config.sharders(), dist.group.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=config.sharders(),
+    dmp = DistributedModelParallel(model, device=on, plan=plan, sharders=config.sharders(),
                                    env=ShardingEnv.from_process_group(dist.group.WORLD))
     rows = next(t for t in config.tables if t.kvzch is None).num_embeddings
     universe = torch.randint(0, config.kvzch_tables[0].num_embeddings, (int(rows * 1.01),),
                              generator=torch.Generator().manual_seed(0)).unique()[:rows]
     for _, kernel in kvzch_tables(dmp):  # the same live rows as the dense table
         r = kernel.store.bucket_range
-        kernel.store.find_or_insert(universe[(universe >= r.id_start) & (universe < r.id_end)], touch=False)
+        kernel.store.find_or_insert(universe[(universe >= r.id_start) & (universe < r.id_end)].to(on),
+                                    touch=False)
     local_batch = args.batch // world
     n = local_batch * args.pooling
     lengths_on = torch.full((local_batch,), args.pooling)
@@ -126,20 +149,21 @@ def worker(args) -> None:
         for table in ("kv", "dense") if step % 2 else ("dense", "kv"):
             ids = universe[local] if table == "kv" else local
             lengths = torch.cat([lengths_on, lengths_on * 0] if table == "kv" else [lengths_on * 0, lengths_on])
-            features = KeyedJaggedTensor(keys=["kv_ids", "dense_ids"], values=ids, lengths=lengths)
+            features = KeyedJaggedTensor(keys=["kv_ids", "dense_ids"], values=ids, lengths=lengths).to(on)
+            sync()
             dist.barrier()
             t0 = time.perf_counter()
             out = dmp(features).wait().values()
             out.backward(torch.ones_like(out))
+            sync()
             dist.barrier()
             if step >= args.warmup:
                 times[table].append((time.perf_counter() - t0) * 1e3)
-    if rank == 0:
-        ours, base = statistics.median(times["kv"]), statistics.median(times["dense"])
-        Path(args.worker).write_text(json.dumps(
-            {"ours_ms_2proc": ours, "tbe_ms_2proc": base, "ratio_2proc": base / ours,
-             "global_batch_2proc": args.batch}))
     dist.destroy_process_group()
+    if rank:
+        return None
+    ours, base = statistics.median(times["kv"]), statistics.median(times["dense"])
+    return {"ours_ms": ours, "tbe_ms": base, "ratio": base / ours, "global_batch": args.batch, "ranks": world}
 
 
 def main() -> None:
@@ -156,7 +180,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        result = dmp_comparison(args)
+        if result is not None:
+            Path(args.worker).write_text(json.dumps(result))
+        return
 
     kernel, baseline, universe = build(args.rows, args.dim, seed=0)
     results: dict = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "pooling": args.pooling,

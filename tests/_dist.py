@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks on localhost (spawned processes) and collect the results."""
+"""Run a function on N ranks on localhost (spawned processes) and collect the results."""
 
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, results):
+def _entry(rank, world_size, port, fn, args, results, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         # Plain pickle: by value, not torch's shared-memory handles that die with this process.
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -36,13 +38,13 @@ def _entry(rank, world_size, port, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> list:
-    """``fn(rank, world_size, *args)`` on each rank; returns the results by rank, or raises with
-    every failing rank's traceback."""
+def run_ranks(world_size: int, fn, *args, timeout: float = 180.0, backend: str = "gloo") -> list:
+    """``fn(rank, world_size, *args)`` on each rank (``backend`` "nccl": rank r on GPU r);
+    returns the results by rank, or raises with every failing rank's traceback."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results))
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -70,10 +70,10 @@ class Net(nn.Module):
         return self.dense(self.ebc(kjt).values())
 
 
-def build(pg=None, kind="none", dense_lr=0.05, **table_kw):
-    """DMP over ``pg``, its fused and dense optimizers. (DDP averages dense gradients over
-    ranks, so trained dense layers differ between world sizes: ``dense_lr=0`` keeps them
-    fixed where runs at two world sizes are compared.)"""
+def build(pg=None, kind="none", dense_lr=0.05, device=torch.device("cpu"), **table_kw):
+    """DMP over ``pg`` on ``device``, its fused and dense optimizers. (DDP averages dense
+    gradients over ranks, so trained dense layers differ between world sizes: ``dense_lr=0``
+    keeps them fixed where runs at two world sizes are compared.)"""
     pg = pg or dist.group.WORLD
     # TorchRec divides embedding gradients by the world size by default, which makes rows
     # trained at two world sizes differ in their last bits; compared runs must not.
@@ -81,13 +81,14 @@ def build(pg=None, kind="none", dense_lr=0.05, **table_kw):
     kv = table_params(kind, **table_kw)
     torch.manual_seed(0)
     net = Net(kv)
+    net.dense.to(device)
     world = dist.get_world_size(pg)
-    planner = KVZCHShardingPlanner(Topology(world_size=world, compute_device="cpu", local_world_size=world),
+    planner = KVZCHShardingPlanner(Topology(world_size=world, compute_device=device.type, local_world_size=world),
                                    batch_size=16, constraints={t.name: KVZCHConstraints(kvzch=t) for t in kv})
     sharders = kvzch_sharders({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1},
                               rank_budget=RankBudget(max_rows=50) if kind == "rank" else None)
     plan = planner.collective_plan(net, sharders, pg)
-    model = DistributedModelParallel(net, device=torch.device("cpu"), plan=plan, sharders=sharders,
+    model = DistributedModelParallel(net, device=device, plan=plan, sharders=sharders,
                                      env=ShardingEnv.from_process_group(pg))
     dense = torch.optim.Adagrad(model.module.dense.parameters(), lr=dense_lr)
     return model, dense
@@ -114,7 +115,7 @@ def batch(step, rank, world, high=BUCKETS * BUCKET_SIZE, examples=12, seed=0):
 
 
 def train_step(model, dense, step, rank, world, high=BUCKETS * BUCKET_SIZE):
-    out = model(batch(step, rank, world, high))
+    out = model(batch(step, rank, world, high).to(model.device))
     out.sum().backward()
     dense.step()
     dense.zero_grad()
@@ -129,7 +130,7 @@ def snapshot(model, dense, pg):
     for name, kernel in kvzch_tables(model):
         store = kernel.store
         ids = store.sorted_ids()
-        rows.update(((name, i), r) for i, r in zip(ids.tolist(), store.read_ids(ids, "row").view(torch.int32)))
+        rows.update(((name, i), r) for i, r in zip(ids.tolist(), store.read_ids(ids, "row").view(torch.int32).cpu()))
         history[name] = (store.clock, store.inserted, store.evicted, len(store))
     fused = model.fused_optimizer.state_dict()["state"]["ebc.embedding_bags.plain.weight"]["plain.momentum1"]
     mine = {"rows": rows, "history": history,
@@ -140,15 +141,15 @@ def snapshot(model, dense, pg):
     for g in gathered:
         for key in ("rows", "plain", "plain_opt"):
             merged[key].update(g[key])
-    merged["dense"] = [p.detach().clone() for p in model.module.dense.parameters()]
-    merged["dense_opt"] = [dense.state[p]["sum"].clone() for p in model.module.dense.parameters()]
+    merged["dense"] = [p.detach().cpu() for p in model.module.dense.parameters()]
+    merged["dense_opt"] = [dense.state[p]["sum"].cpu() for p in model.module.dense.parameters()]
     return merged
 
 
 def _shards(entry):
     if isinstance(entry, ShardedTensor):
-        return {tuple(s.metadata.shard_offsets): s.tensor.clone() for s in entry.local_shards()}
-    return {(0, 0): entry.clone()}
+        return {tuple(s.metadata.shard_offsets): s.tensor.cpu().clone() for s in entry.local_shards()}
+    return {(0, 0): entry.cpu().clone()}
 
 
 def same(a, b, across_worlds=False) -> list[str]:

@@ -41,8 +41,8 @@ def kv_params(name, dim, buckets, optimizer):
                             expected_rows=1000)
 
 
-def build(world_size, case, universe, twin: bool):
-    """Our model or its twin for one test case (dims, buckets, pooling, optimizer)."""
+def build(world_size, case, universe, twin: bool, device=torch.device("cpu")):
+    """Our model or its twin for one test case (dims, buckets, pooling, optimizer) on ``device``."""
     sequence = case["pooling"] is None
     table_cls, collection = (EmbeddingConfig, EmbeddingCollection) if sequence else (EmbeddingBagConfig, EmbeddingBagCollection)
     extra = {} if sequence else {"pooling": case["pooling"]}
@@ -65,12 +65,12 @@ def build(world_size, case, universe, twin: bool):
                row_wise(compute_kernel=KVZCH_KERNEL, num_buckets=case["buckets"]) for n in ("kv", "kv2")}
     kernels["plain"] = row_wise(compute_kernel="fused")
     module_plan = construct_module_sharding_plan(module, kernels, sharder=sharders[int(sequence)],
-                                                 local_size=world_size, world_size=world_size, device_type="cpu")
+                                                 local_size=world_size, world_size=world_size, device_type=device.type)
     if not twin:
         group = (params["kv"], params["kv2"])
         for name in ("kv", "kv2"):
             module_plan[name] = KVZCHParameterSharding.wrap(module_plan[name], params[name], group)
-    dmp = DistributedModelParallel(module, device=torch.device("cpu"), plan=ShardingPlan({"": module_plan}),
+    dmp = DistributedModelParallel(module, device=device, plan=ShardingPlan({"": module_plan}),
                                    sharders=sharders, env=ShardingEnv.from_process_group(dist.group.WORLD))
     # Equal starting rows: the twin's rows are our id-seeded initial rows of the universe ids.
     prefix = "embeddings" if sequence else "embedding_bags"
@@ -83,7 +83,8 @@ def build(world_size, case, universe, twin: bool):
             seed = params[name].init_seed if name in params else 1
             for shard in state[key].local_shards():
                 start, n = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
-                shard.tensor.copy_(uniform_by_id_torch(ids[start:start + n], shard.tensor.shape[1], -0.5, 0.5, seed))
+                rows = uniform_by_id_torch(ids[start:start + n], shard.tensor.shape[1], -0.5, 0.5, seed)
+                shard.tensor.copy_(rows.to(device))
     return dmp
 
 
@@ -121,7 +122,7 @@ def store_rows(dmp):
                 if isinstance(emb, KVZCHEmbeddingKernel):
                     for name, kernel in emb.tables.items():
                         ids = kernel.store.sorted_ids()
-                        rows.update(((name, i), r) for i, r in zip(ids.tolist(), kernel.store.read_ids(ids)))
+                        rows.update(((name, i), r) for i, r in zip(ids.tolist(), kernel.store.read_ids(ids).cpu()))
     return rows
 
 
@@ -132,17 +133,17 @@ def twin_rows(dmp, universe, sequence):
         for shard in state[f"{prefix}.{name}.weight"].local_shards():
             start = shard.metadata.shard_offsets[0]
             ids = universe[name][start:start + shard.tensor.shape[0]].tolist()
-            rows.update(((name, i), r) for i, r in zip(ids, shard.tensor.clone()))
+            rows.update(((name, i), r) for i, r in zip(ids, shard.tensor.cpu().clone()))
     return rows
 
 
-def train_and_compare(rank, world_size, case, steps=3, empty_rank=None):
+def train_and_compare(rank, world_size, case, steps=3, empty_rank=None, device=torch.device("cpu")):
     gen = torch.Generator().manual_seed(5)
     virtual = case["buckets"] * 2**37
     universe = {"kv": torch.randint(0, virtual, (50,), generator=gen).unique(),  # ids far beyond 2^32
                 "kv2": torch.randint(0, virtual, (30,), generator=gen).unique(),
                 "plain": torch.arange(PLAIN_ROWS)}
-    ours, twin = build(world_size, case, universe, False), build(world_size, case, universe, True)
+    ours, twin = build(world_size, case, universe, False, device), build(world_size, case, universe, True, device)
     for step in range(steps):
         keys, lengths, local = batch(rank, step, universe, case, empty=rank == empty_rank)
         ids = {n: universe[n][local[n]] for n in ("kv", "kv2")}
@@ -150,11 +151,11 @@ def train_and_compare(rank, world_size, case, steps=3, empty_rank=None):
         if case.get("weighted") and case["pooling"] is not None:
             weights = torch.rand(int(lengths.sum()), generator=torch.Generator().manual_seed(step))
         out = values(ours(KeyedJaggedTensor(keys, torch.cat([ids["kv"], ids["kv2"], local["plain"]]),
-                                            lengths=lengths, weights=weights)))
+                                            lengths=lengths, weights=weights).to(device)))
         want = values(twin(KeyedJaggedTensor(keys, torch.cat([local["kv"], local["kv2"], local["plain"]]),
-                                             lengths=lengths, weights=weights)))
+                                             lengths=lengths, weights=weights).to(device)))
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step)).to(device)
         out.backward(grad)
         want.backward(grad)
     gathered = [None] * world_size
@@ -177,8 +178,9 @@ def random_cases(seed, n):
             for _ in range(n)]
 
 
-def sweep(rank, world_size, cases, empty_rank=None):
-    return [train_and_compare(rank, world_size, case, empty_rank=empty_rank) for case in cases]
+def sweep(rank, world_size, cases, empty_rank=None, device="cpu"):
+    device = torch.device(device)
+    return [train_and_compare(rank, world_size, case, empty_rank=empty_rank, device=device) for case in cases]
 
 
 BASE = dict(dim=8, dim2=16, buckets=8, pooling=PoolingType.SUM, optimizer="exact_row_wise_adagrad",

@@ -130,7 +130,7 @@ def build_model(config, device: torch.device, batch_per_rank: int, dense_lr: flo
 def predict(model, batch) -> torch.Tensor:
     """Click probabilities on ``batch``; every rank passes the same batch."""
     with torch.no_grad():
-        _, (_, logits, _) = model(batch)
+        _, (_, logits, _) = model(batch.to(model.device))
     return torch.sigmoid(logits).cpu()
 
 
@@ -236,7 +236,8 @@ class Trainer:
             if self.drill and self.drill[:2] == (self.rank, self.step) and not self.drill[2]:
                 os.kill(os.getpid(), signal.SIGKILL)
             t0 = time.perf_counter()
-            loss, _ = self.model(self.data.batch(self.step, self.rank, self.world_size))
+            batch = self.data.batch(self.step, self.rank, self.world_size)
+            loss, _ = self.model(batch.to(self.model.device, non_blocking=True))
             loss.backward()  # the tables' fused optimizer updates their rows here
             self.optimizer.step()
             self.optimizer.zero_grad()

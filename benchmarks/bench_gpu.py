@@ -1,0 +1,177 @@
+"""Training-step speed of the KV-ZCH kernel on a GPU against fbgemm's CUDA TBE on a dense table.
+
+    python benchmarks/bench_gpu.py --json docs/benchmarks/gpu.json --plot docs/benchmarks/gpu.png
+    torchrun --nproc_per_node N benchmarks/bench_gpu.py --dmp --json results/bench_gpu_dmp.json
+
+One process: for 1M and 10M live rows x 128 fp32 (rowwise Adagrad), batches of 65,536 and 8,192
+x pooling 20, uniform and Zipf(1.05) ids, our kernel's training step (forward, backward, fused
+update) against fbgemm's CUDA TBE holding the same rows densely, alternating step by step
+(``bench_lookup.compare``, synchronised around each step). Ratios are throughputs, ours /
+TBE's, as ``ratio_<rows>_b<batch>_<dist>``. What bounds ours: ``map_ms_<case>``, the store's
+``find_or_insert`` with its header touch alone on the same batches. The id map's own rates on
+the GPU: ``find`` and ``find_or_insert`` (20% new ids) in keys/s, batches of 2^20 ids, at the
+load factor the 10M-key map runs at.
+
+``--dmp`` (under torchrun, NCCL, one GPU per rank): ``bench_lookup``'s DMP comparison, a KV-ZCH
+table against an ordinary FUSED table of the same rows, with a global batch of ``--batch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench_lookup import batches, build, compare, dmp_comparison
+from torchrec_kvzch.store.id_map import IdMap
+
+TARGET = 0.7
+DISTS = ("uniform", "zipf")
+
+
+def tag(rows: int) -> str:
+    return f"{rows // 10**6}m" if rows % 10**6 == 0 else str(rows)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_ms(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Median time of ``fn()`` in ms, synchronised around each call."""
+    times = []
+    for rep in range(warmup + reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        if rep >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def map_ms(kernel, universe, batch: int, pooling: int, dist: str, reps: int) -> float:
+    """The store's find_or_insert + header touch alone, on batches like the step's."""
+    ids = [universe[local.to(universe.device)]
+           for local in batches(universe.numel(), batch, pooling, dist, reps + 2, seed=9)]
+    it = iter(ids)
+    return device_ms(lambda: kernel.store.find_or_insert(next(it)), universe.device, reps)
+
+
+def id_map_rates(universe: torch.Tensor, reps: int) -> dict:
+    """find and find_or_insert (20% new ids) on a map holding ``universe``, in keys/s."""
+    m = IdMap("auto", universe.device)
+    for chunk in universe.split(1 << 22):
+        m.find_or_insert(chunk)
+    gen = torch.Generator().manual_seed(11)
+    n = 1 << 20
+
+    def present():
+        return universe[torch.randint(0, universe.numel(), (n,), generator=gen).to(universe.device)]
+
+    def mixed():
+        fresh = torch.randint(2**41, 2**42, (n // 5,), generator=gen).to(universe.device)
+        return torch.cat([present()[: n - n // 5], fresh])
+
+    finds = iter([present() for _ in range(reps + 2)])
+    inserts = iter([mixed() for _ in range(reps + 2)])
+    find = device_ms(lambda: m.find(next(finds)), universe.device, reps)
+    insert = device_ms(lambda: m.find_or_insert(next(inserts)), universe.device, reps)
+    return {"map_keys": len(m), "map_load_factor": len(m) / m.capacity, "map_backend": m.kernels.name,
+            "find_keys_per_s": n / find * 1e3, "find_or_insert_keys_per_s": n / insert * 1e3}
+
+
+def versions(device: torch.device) -> dict:
+    import platform
+
+    import fbgemm_gpu
+    import torchrec
+
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
+    return {"device": name, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "fbgemm_gpu": fbgemm_gpu.__version__,
+            "torchrec": torchrec.__version__}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted(k[len("ratio_"):] for k in results if k.startswith("ratio_"))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.bar(range(len(cases)), [results[f"ratio_{c}"] for c in cases], color="tab:blue")
+    ax.axhline(TARGET, color="k", ls="--", lw=1, label=f"target {TARGET}")
+    ax.set_xticks(range(len(cases)), cases, rotation=30, ha="right")
+    ax.set_ylabel("throughput / fbgemm CUDA TBE")
+    ax.set_title(f"KV-ZCH training step on {results['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def single_gpu(args, device: torch.device) -> dict:
+    results: dict = {**versions(device), "dim": args.dim, "pooling": args.pooling}
+    for rows in args.rows:
+        kernel, baseline, universe = build(rows, args.dim, seed=0, device=device)
+        for batch in args.batches:
+            for dist in tqdm(DISTS, desc=f"bench_gpu {tag(rows)} batch {batch}"):
+                case = f"{tag(rows)}_b{batch}_{dist}"
+                r = compare(kernel, baseline, universe, batch, args.pooling, dist, args.steps, args.warmup)
+                results.update({f"ours_ms_{case}": r["ours_ms"], f"tbe_ms_{case}": r["tbe_ms"],
+                                f"ratio_{case}": r["ratio"]})
+                results[f"map_ms_{case}"] = map_ms(kernel, universe, batch, args.pooling, dist, args.steps)
+        if rows == args.rows[-1]:
+            results.update(id_map_rates(universe, args.steps))
+        del kernel, baseline, universe
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ratios = {k: v for k, v in results.items() if k.startswith("ratio_")}
+    results["targets"] = {f"{k} >= {TARGET}": v >= TARGET for k, v in ratios.items()}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--plot", type=Path)
+    parser.add_argument("--dmp", action="store_true", help="the DMP comparison, under torchrun")
+    parser.add_argument("--rows", nargs="+", type=int, default=[1_000_000, 10_000_000])
+    parser.add_argument("--batches", nargs="+", type=int, default=[65_536, 8_192])
+    parser.add_argument("--batch", type=int, default=65_536, help="--dmp: the global batch")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--pooling", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    # A run on the CPU checks the script (small --rows), not the GPU: bench_lookup measures CPUs.
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu needs a CUDA device; on CPU, bench_lookup compares with fbgemm's CPU TBE")
+    if args.dmp:
+        result = dmp_comparison(args, device.type)
+        if result is None:  # not rank 0
+            return
+        results = {**versions(device), **{f"{k}_dmp": v for k, v in result.items()}}
+    else:
+        results = single_gpu(args, device)
+        if args.plot:
+            plot(results, args.plot)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    for key, value in results.items():
+        if key.startswith(("ratio_", "ours_ms", "tbe_ms", "find")):
+            print(f"  {key:32s} {value:,.3f}")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -132,6 +132,29 @@ def test_state_is_shared_between_backends():
     assert torch.equal(twin, native.find(queries)) and bad == -1 and misses == int((twin < 0).sum())
 
 
+@given(seed=st.integers(0, 2**31), load=st.floats(0.0, 0.97), tombs=st.floats(0.0, 0.5),
+       window=st.integers(2, 11))
+def test_the_torch_twin_finds_the_same_entries_whatever_its_window(seed, load, tombs, window):
+    """Probing several entries per round (as on a GPU) ends each probe where stepping one entry
+    at a time does: on tables filled by hand up to 97% (long runs that wrap around the end) with
+    tombstones, for present, erased and absent ids."""
+    capacity = 256
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 2**62, (int(load * capacity),), generator=gen).unique()
+    table = torch.full((capacity, 2), id_map.EMPTY, dtype=torch.long)
+    for slot, (i, pos) in enumerate(zip(ids.tolist(), home(ids, capacity).tolist())):
+        while table[pos, 0] != id_map.EMPTY:  # linear probing, by hand
+            pos = (pos + 1) % capacity
+        table[pos] = torch.tensor([i, slot])
+    erased = torch.rand(capacity, generator=gen) < tombs
+    table[erased & (table[:, 0] >= 0), 0] = id_map.TOMB
+    queries = torch.cat([ids, torch.randint(0, 2**62, (50,), generator=gen)])
+    want = TorchKernels(1).probe(table, queries)
+    live = set(table[:, 0].tolist())
+    assert [p >= 0 for p in want.tolist()] == [q in live for q in queries.tolist()]
+    assert torch.equal(TorchKernels(window).probe(table, queries), want)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_ids_are_rejected_before_any_change(backend):
     m = IdMap(backend)

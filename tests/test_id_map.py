@@ -155,6 +155,73 @@ def test_the_torch_twin_finds_the_same_entries_whatever_its_window(seed, load, t
     assert torch.equal(TorchKernels(window).probe(table, queries), want)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@given(seed=st.integers(0, 2**31), load=st.floats(0.5, 0.97), tombs=st.floats(0.0, 0.5))
+def test_native_lookup_parks_long_probes_and_finds_what_the_twin_finds(threads, seed, load, tombs):
+    """The native lookup parks probes that run past their bucket's line and resumes them later
+    (and reads on in place once its queue is full). On crowded tables with tombstones, where most
+    probes run on and wrap around the end, and batches of 20,000 ids (present, erased, absent,
+    repeated), it finds exactly the entries the twin's one-entry steps find."""
+    capacity = 4096
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 2**62, (int(load * capacity),), generator=gen).unique()
+    table = torch.full((capacity, 2), id_map.EMPTY, dtype=torch.long)
+    TorchKernels._place(table, ids, torch.arange(ids.numel()))
+    table[(torch.rand(capacity, generator=gen) < tombs) & (table[:, 0] >= 0), 0] = id_map.TOMB
+    pool = torch.cat([ids, torch.randint(0, 2**62, (2000,), generator=gen)])
+    queries = pool[torch.randint(0, pool.numel(), (20_000,), generator=gen)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        positions = torch.ops.kvzch.probe(table, queries)
+        slots, bad, misses = torch.ops.kvzch.lookup(table, queries, 0, 2**62)
+    finally:
+        torch.set_num_threads(before)
+    want = TorchKernels(1).probe(table, queries)
+    assert torch.equal(positions, want)
+    found = want >= 0
+    assert torch.equal(slots[found], table[want[found], 1]) and (slots[~found] == -1).all()
+    assert bad == -1 and misses == int((~found).sum())
+
+
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@given(seed=st.integers(0, 2**31), load=st.floats(0.5, 0.95), tombs=st.floats(0.0, 0.3))
+def test_native_inserts_on_crowded_tables_keep_first_appearance_order(first, threads, seed, load,
+                                                                       tombs):
+    """Parked probes of an insert resume in turn, so a repeat never claims an entry before the
+    first appearance of its id: on tables crowded by hand (long probe runs, tombstones, wrap
+    around the end), with batches of 20,000 present and new ids, each many times, the native op
+    gives every id the slot the twin gives it, and leaves a table where the twin finds them all."""
+    capacity = 4096
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 2**62, (int(load * capacity),), generator=gen).unique()
+    table = torch.full((capacity, 2), id_map.EMPTY, dtype=torch.long)
+    TorchKernels._place(table, ids, torch.arange(ids.numel()))
+    erased = (torch.rand(capacity, generator=gen) < tombs) & (table[:, 0] >= 0)
+    absent = torch.cat([table[erased, 0], torch.randint(0, 2**62, (150,), generator=gen)])
+    table[erased, 0] = id_map.TOMB
+    room = int((table[:, 0] == id_map.EMPTY).sum()) - 1  # new ids claim empty entries only
+    pool = torch.cat([table[table[:, 0] >= 0, 0], absent[:room]])  # live, erased and new ids
+    batch = pool[torch.randint(0, pool.numel(), (20_000,), generator=gen)]
+    size = ids.numel()
+    twin_table, twin_keys = table.clone(), torch.full((size + batch.numel(),), -1)
+    want, _, want_size = TorchKernels().find_or_insert(twin_table, twin_keys, batch, 0, 2**62, size,
+                                                       True)
+    keys = torch.full((size + batch.numel(),), -1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        slots, bad, new_size = torch.ops.kvzch.find_or_insert(table, keys, batch, 0, 2**62, size,
+                                                              first)
+    finally:
+        torch.set_num_threads(before)
+    assert bad == -1 and new_size == want_size and torch.equal(slots, want)
+    assert torch.equal(keys[size:new_size], twin_keys[size:new_size])
+    found, _, misses = TorchKernels().lookup(table, batch, 0, 2**62)
+    assert torch.equal(found, want) and misses == 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_ids_are_rejected_before_any_change(backend):
     m = IdMap(backend)

@@ -42,10 +42,11 @@ MAX_LOAD = 0.7
 MIN_CAPACITY = 1024
 MAX_SLOTS = 2**31 - 1  # rows per table shard
 # find_or_insert looks every id up before inserting when the last batch had fewer new ids than
-# this fraction (then the insert pass runs over the absent ids only). A/B after a TBE step, 163,840
-# ids, 1M and 10M keys: 0.3-0.6 ms saved (15-35%) with no new id, even at 5%, 10-40% lost at
-# 10-20% (those ids are probed twice).
-LOOKUP_FIRST_BELOW = 0.03
+# this fraction (then the insert pass runs over the absent ids only). A/B of the op, 163,840 ids,
+# caches flushed, lookup first vs the insert pass over every id: 1.2 vs 1.6 ms with no new id at
+# 1M keys, 1.8 vs 2.1 ms at 10M; even at 20% new; lost from 35% (2.8 vs 2.7 ms at 10M; 5.5 vs
+# 3.0 ms with only new ids), where most probes are walked twice.
+LOOKUP_FIRST_BELOW = 0.25
 ANY_ID = (0, 2**63 - 1)  # the bounds of a lookup that only refuses negative ids
 
 _M1 = 0xBF58476D1CE4E5B9 - 2**64  # the splitmix64 constants as signed int64

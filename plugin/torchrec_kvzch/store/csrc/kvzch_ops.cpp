@@ -32,12 +32,9 @@ namespace {
 
 constexpr int64_t kEmpty = -1;
 constexpr int64_t kTomb = -2;
-// How many ids ahead the loops prefetch: enough outstanding misses to hide DRAM latency. A
-// probe's bucket line is prefetched further ahead than the line after it: with repeated (Zipf)
-// ids most bucket prefetches hit lines already in cache, and the longer reach keeps as many
-// misses in flight, while the next line, which a quarter of the probes need at most, stays
-// close. A/B on cold caches, 163,840 ids: 15% off find_or_insert at 1M keys with Zipf ids,
-// unchanged with uniform ones, and within noise (+-3%) at 10M keys with 20% new ids.
+// How many ids ahead the loops prefetch: enough outstanding misses to hide DRAM latency. With
+// repeated (Zipf) ids most of a probe's prefetches hit lines already in cache, so it looks
+// further ahead than the slot writes that follow an insert, which touch only new ids' entries.
 constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kBucketPrefetchDistance = 32;
 // The same for the header touch, whose ids repeat (Zipf): most of its prefetches hit lines
@@ -78,30 +75,14 @@ std::pair<Entry*, uint64_t> entries(const at::Tensor& table) {
               "kvzch id map: the table must be a contiguous int64 [capacity, 2] CPU tensor; use "
               "the torch backend on other devices");
   const int64_t capacity = table.size(0);
-  TORCH_CHECK(capacity > 0 && (capacity & (capacity - 1)) == 0,
-              "kvzch id map: capacity must be a power of two, got ", capacity);
+  TORCH_CHECK(capacity >= static_cast<int64_t>(kBucket) && (capacity & (capacity - 1)) == 0,
+              "kvzch id map: capacity must be a power of two of at least ", kBucket, ", got ",
+              capacity);
   return {reinterpret_cast<Entry*>(table.data_ptr<int64_t>()), static_cast<uint64_t>(capacity - 1)};
 }
 
 // Where the probe of `id` starts: the first entry of its bucket.
 inline uint64_t home(int64_t id, uint64_t mask) { return mix64(id) & mask & ~(kBucket - 1); }
-
-// Prefetches, at step j of a loop over [.., end), the lines later probes read: the bucket of the
-// id kBucketPrefetchDistance steps on, and the line after the bucket of the one
-// kPrefetchDistance on. At the load factors the map runs at, a quarter of the absent ids'
-// probes and a few percent of the hits go on into that next line, which would otherwise be a
-// miss the probe waits for (A/B: 5-8% off find_or_insert at 10M keys). `home_at(k)`: the
-// bucket of the loop's k-th id. Forced inline: GCC left it a call, and both probe loops took 2x.
-template <typename HomeAt>
-[[gnu::always_inline]] inline void prefetch_probes(const Entry* t, uint64_t mask, int64_t j,
-                                                   int64_t end, HomeAt home_at) {
-  if (j + kBucketPrefetchDistance < end) {
-    __builtin_prefetch(t + home_at(j + kBucketPrefetchDistance));
-  }
-  if (j + kPrefetchDistance < end) {
-    __builtin_prefetch(t + ((home_at(j + kPrefetchDistance) + kBucket) & mask));
-  }
-}
 
 // Lowers `least` to `v` if `v` is smaller (the first bad index found by any thread).
 inline void lower_to(std::atomic<int64_t>& least, int64_t v) {
@@ -110,48 +91,106 @@ inline void lower_to(std::atomic<int64_t>& least, int64_t v) {
   }
 }
 
-// Position of `id`, whose bucket starts at `pos`, in the table, or -1 where it is absent.
-inline int64_t find_position(const Entry* t, uint64_t mask, int64_t id, uint64_t pos) {
-  for (;; pos = (pos + 1) & mask) {
-    const int64_t k = t[pos].key;
-    if (k == id) return static_cast<int64_t>(pos);
-    if (k == kEmpty) return -1;
+// Where the probe of `id` ends in the line at `pos` (a bucket's first entry): the id's position
+// e, or -2 - e where an empty entry e comes first (the id is absent); -1 where the line holds
+// neither, so the probe goes on to the next line. Branch-free inside the line: which entry ends
+// a probe is unpredictable.
+constexpr int64_t kGoOn = -1;
+inline int64_t scan_line(const Entry* t, int64_t id, uint64_t pos) {
+  unsigned match = 0, stop = 0;
+  for (unsigned j = 0; j < kBucket; ++j) {
+    match |= static_cast<unsigned>(t[pos + j].key == id) << j;
+    stop |= static_cast<unsigned>(t[pos + j].key == kEmpty) << j;
   }
+  stop |= match;
+  if (__builtin_expect(stop == 0, 0)) return kGoOn;
+  const unsigned j = __builtin_ctz(stop);
+  const int64_t e = static_cast<int64_t>(pos + j);
+  return (match >> j) & 1 ? e : -2 - e;
 }
 
-// Runs on_found(i, position) for every id, in parallel, prefetching the entries of ids a few
-// steps ahead. Ids outside [lo, hi) are not looked up: the smallest index of such an id is
-// returned (-1 when all are inside), and the caller refuses the batch before changing anything.
-// Each id's bucket is hashed once, when its line is prefetched, and kept in a small ring until
-// its probe: hashing it again at each of the three steps that need it cost 9-16% of a lookup
-// at 1M keys (A/B in one build, 163,840 ids; within noise at 10M, where misses dominate).
+// Walks the probes of `count` ids: visit(k, pos) scans the line at `pos` for the loop's k-th id,
+// whose probe starts at the line home_at(k), and returns false where that line does not end it.
+// The bucket line of the id kBucketPrefetchDistance steps on is prefetched; its bucket is
+// computed once then and kept in a small ring until its probe (hashing it again cost 9-16% of a
+// lookup at 1M keys). A probe that must go on to the next line does not wait for that line,
+// which nothing had prefetched: it is parked in a queue, the line prefetched, and resumed
+// kParkFor steps later. At load 0.6, 4-10% of the probes of present ids and about a quarter of
+// those of absent ids read on, and waiting for them took 40% of a lookup at 10M keys (A/B in one
+// process, 163,840 uniform ids: 2.1 -> 1.2 ms at 10M keys, 1.6 -> 0.8 ms at 1M); prefetching
+// every probe's next line instead costs a second miss per id.
+// The queue is first in, first out, and when it runs full it is worked off in that order
+// before the walk goes on: the repeats of an id then reach each line of its path in batch order,
+// after its first appearance, which the insert pass relies on (resolving any one probe out of
+// turn could let a repeat overtake it).
+constexpr int64_t kParkFor = 32;
+constexpr int64_t kParked = 64;  // a power of two
+
+template <typename HomeAt, typename Visit>
+void walk_probes(uint64_t mask, const Entry* t, int64_t count, HomeAt home_at, Visit visit) {
+  constexpr int64_t kRing = 64;  // a power of two above kBucketPrefetchDistance
+  static_assert(kRing > kBucketPrefetchDistance);
+  uint64_t homes[kRing];
+  struct Parked {
+    int64_t k;      // the probe's id, as the loop counts them
+    uint64_t pos;   // the line it reads next
+    int64_t until;  // the step from which that line is expected in cache
+  };
+  Parked parked[kParked];
+  int64_t head = 0, tail = 0;  // parked[head % kParked] .. parked[(tail - 1) % kParked]
+  const auto go_on = [&](int64_t k, uint64_t pos, int64_t step) {
+    pos = (pos + kBucket) & mask;
+    __builtin_prefetch(t + pos);
+    parked[tail++ & (kParked - 1)] = Parked{k, pos, step + kParkFor};
+  };
+  // Resumes, in order, the parked probes due at `step` (all of them with `all`).
+  const auto resume = [&](int64_t step, bool all) {
+    while (head != tail && (all || parked[head & (kParked - 1)].until <= step)) {
+      const Parked p = parked[head++ & (kParked - 1)];
+      if (!visit(p.k, p.pos)) go_on(p.k, p.pos, step);
+    }
+  };
+  for (int64_t k = 0; k < std::min(count, kBucketPrefetchDistance); ++k) {
+    homes[k & (kRing - 1)] = home_at(k);
+  }
+  for (int64_t k = 0; k < count; ++k) {
+    if (k + kBucketPrefetchDistance < count) {
+      const uint64_t ahead = home_at(k + kBucketPrefetchDistance);
+      homes[(k + kBucketPrefetchDistance) & (kRing - 1)] = ahead;
+      __builtin_prefetch(t + ahead);
+    }
+    resume(k, tail - head == kParked);  // a step parks at most one probe more than it resumes
+    const uint64_t pos = homes[k & (kRing - 1)];
+    if (!visit(k, pos)) go_on(k, pos, k);
+  }
+  resume(count, true);  // the last ones: nothing left to overlap them with
+}
+
+// Runs on_found(i, position or -1) for every id, in parallel. Ids outside [lo, hi) are not
+// looked up: the smallest index of such an id is returned (-1 when all are inside), and the
+// caller refuses the batch before changing anything.
 template <typename OnFound>
 int64_t probe_each(const Entry* t, uint64_t mask, const at::Tensor& ids, int64_t lo, int64_t hi,
                    OnFound on_found) {
   const int64_t* q = ids.data_ptr<int64_t>();
   std::atomic<int64_t> bad{std::numeric_limits<int64_t>::max()};
   at::parallel_for(0, ids.numel(), 4096, [&](int64_t begin, int64_t end) {
-    constexpr int64_t kRing = 64;  // a power of two above kBucketPrefetchDistance
-    static_assert(kRing > kBucketPrefetchDistance && kBucketPrefetchDistance > kPrefetchDistance);
-    uint64_t homes[kRing];
-    for (int64_t k = begin; k < std::min(end, begin + kBucketPrefetchDistance); ++k) {
-      homes[k & (kRing - 1)] = home(q[k], mask);
-    }
+    const int64_t* mine = q + begin;
     int64_t first_bad = std::numeric_limits<int64_t>::max();
-    for (int64_t i = begin; i < end; ++i) {
-      if (i + kBucketPrefetchDistance < end) {
-        const int64_t k = i + kBucketPrefetchDistance;
-        homes[k & (kRing - 1)] = home(q[k], mask);
-      }
-      prefetch_probes(t, mask, i, end, [&homes](int64_t k) { return homes[k & (kRing - 1)]; });
-      const int64_t id = q[i];
-      if (id < lo || id >= hi) {
-        first_bad = std::min(first_bad, i);
-        on_found(i, int64_t{-1});
-        continue;
-      }
-      on_found(i, find_position(t, mask, id, homes[i & (kRing - 1)]));
-    }
+    walk_probes(
+        mask, t, end - begin, [&](int64_t k) { return home(mine[k], mask); },
+        [&](int64_t k, uint64_t pos) {
+          const int64_t id = mine[k];
+          if (id < lo || id >= hi) {
+            first_bad = std::min(first_bad, begin + k);
+            on_found(begin + k, int64_t{-1});
+            return true;
+          }
+          const int64_t e = scan_line(t, id, pos);
+          if (e == kGoOn) return false;
+          on_found(begin + k, e >= 0 ? e : int64_t{-1});
+          return true;
+        });
     lower_to(bad, first_bad);
   });
   const int64_t b = bad.load();
@@ -196,43 +235,68 @@ std::tuple<at::Tensor, int64_t, int64_t> lookup(const at::Tensor& table, const a
 // with every distinct new id in it, and slot_keys has room for `size + len(ids)` slots.
 // With `lookup_first`, a read-only lookup of every id comes first: it checks the bounds and
 // resolves the ids already present, so that a batch with few new ids (most batches, once
-// training is warm) costs little more than a lookup; the caller asks for it when the last batch
-// had few new ids, as probing the absent ones again costs more than it saves when they are many
-// (A/B at LOOKUP_FIRST_BELOW in id_map.py). Then the ids left (all of them without
-// `lookup_first`, after a bounds pass; a bad batch changes nothing) go through the insert pass:
-// the table is cut into one contiguous region per thread; a thread serves the ids whose bucket
-// lies in its region, in batch order, so it owns every entry it writes and meets each new id
-// first at its first appearance. A new id claims the first empty entry on its path (tombstones
-// are left to the rehash), marked with that index; its repeats read the mark. The rare probe
-// that would run into the next region is finished afterwards, serially, in batch order (every
-// repeat of its id runs there too). Ranking the first appearances in batch order then gives the
-// slots, written into the claimed entries and slot_keys. The insert pass over a whole batch
-// took 1.1-1.2x a lookup at 9M keys (a lookup followed by a serial insert of the absent ids took
-// 1.8x).
+// training is warm) costs little more than a lookup; the caller asks for it unless the last batch
+// had many new ids, whose probes it would walk twice (A/B at LOOKUP_FIRST_BELOW in id_map.py).
+// Then the ids left (all of them without `lookup_first`, after a bounds pass; a bad batch
+// changes nothing) go through the insert pass: the table is cut into one contiguous region per
+// thread; a thread walks (walk_probes) the ids whose bucket lies in its region, in batch order,
+// so it owns every entry it writes and meets each new id first at its first appearance. A new id
+// claims the first empty entry on its path (tombstones are left to the rehash), marked with
+// that index; its repeats read the mark. The rare probe that would run into the next region is
+// finished afterwards, serially, in batch order (every repeat of its id runs there too).
+// Ranking the first appearances in batch order then gives the slots, written into the claimed
+// entries and slot_keys.
 constexpr int64_t kMark = int64_t{1} << 62;  // a claimed entry's slot: kMark + first index
 constexpr int64_t kRepeat = std::numeric_limits<int64_t>::min();  // o[i] = kRepeat + first index
 
 inline bool is_first(int64_t o) { return o <= -2 && o > kRepeat / 2; }
 
-// Resolves id i by probing from `pos` up to the entry `limit` (exclusive; -1: none). Leaves in
-// o[i] the slot of an id present before the batch, -2 - position for the first appearance of a
-// new id, or kRepeat + first index for a repeat. Returns false where it reached `limit`.
-inline bool claim(Entry* t, uint64_t mask, int64_t id, int64_t i, uint64_t pos, int64_t limit,
-                  int64_t* o) {
-  for (;; pos = (pos + 1) & mask) {
-    if (static_cast<int64_t>(pos) == limit) return false;
-    const int64_t k = t[pos].key;
-    if (k == id) {
-      const int64_t slot = t[pos].slot;
-      o[i] = slot >= kMark ? kRepeat + (slot - kMark) : slot;
-      return true;
-    }
-    if (k == kEmpty) {
-      t[pos] = Entry{id, kMark + i};
-      o[i] = -2 - static_cast<int64_t>(pos);
-      return true;
-    }
+// Resolves id i where its probe ended (scan_line's answer `e`): leaves in o[i] the slot of an id
+// present before the batch, kRepeat + first index for a repeat, or, where the probe ended at an
+// empty entry, -2 - that entry for the first appearance of a new id, which claims the entry,
+// marked with its index.
+inline void claim_at(Entry* t, int64_t id, int64_t i, int64_t e, int64_t* o) {
+  if (e >= 0) {
+    const int64_t slot = t[e].slot;
+    o[i] = slot >= kMark ? kRepeat + (slot - kMark) : slot;
+  } else {
+    t[-2 - e] = Entry{id, kMark + i};
+    o[i] = e;
   }
+}
+
+// Writes the indices i of the ids a lookup left absent (o[i] < 0) to `absent`, in batch order.
+// In parallel: each share of the batch counts its absent ids and finds its last one, and a prefix
+// over the counts tells each where its list starts (serially, this took 0.4 ms of a 163,840-id
+// batch at 10M keys). The lists are written without branches, which would mispredict: every
+// index is stored, and only an absent one advances the cursor, so a share stops at its last
+// absent id and never writes into the next share's list.
+void list_absent(const int64_t* o, int64_t n, int64_t* absent) {
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 4096));
+  const int64_t per = (n + shares - 1) / shares;
+  std::vector<int64_t> counts(shares + 1, 0), last(shares, -1);
+  at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      int64_t count = 0, at = -1;
+      for (int64_t i = s * per; i < std::min(n, (s + 1) * per); ++i) {
+        count += o[i] < 0;
+        at = o[i] < 0 ? i : at;
+      }
+      counts[s + 1] = count;
+      last[s] = at;
+    }
+  });
+  for (int64_t s = 0; s < shares; ++s) counts[s + 1] += counts[s];
+  at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      int64_t* mine = absent + counts[s];
+      int64_t k = 0;
+      for (int64_t i = s * per; i <= last[s]; ++i) {
+        mine[k] = i;
+        k += o[i] < 0;
+      }
+    }
+  });
 }
 
 std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Tensor slot_keys,
@@ -247,24 +311,20 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
   TORCH_CHECK(size + n <= slot_keys.numel(), "kvzch id map: slot_keys has no room for the batch");
   const int64_t* q = ids.data_ptr<int64_t>();
   at::Tensor out;
+  int64_t m = n;  // the ids left to insert
   if (lookup_first) {  // present ids resolved, absent ones -1; nothing allocated when all found
-    int64_t bad = -1, misses = 0;
-    std::tie(out, bad, misses) = lookup(table, ids, lo, hi);
-    if (bad >= 0 || misses == 0) return {out, bad, size};
+    int64_t bad = -1;
+    std::tie(out, bad, m) = lookup(table, ids, lo, hi);
+    if (bad >= 0 || m == 0) return {out, bad, size};
   } else {
     out = at::empty_like(ids);
   }
   int64_t* o = out.data_ptr<int64_t>();
   // The ids left to insert (`absent[j]`, in batch order) and their buckets (`homes[j]`).
-  std::unique_ptr<int64_t[]> absent(new int64_t[n]);
-  std::unique_ptr<uint64_t[]> homes(new uint64_t[n]);
-  int64_t m = n;
+  std::unique_ptr<int64_t[]> absent(new int64_t[m]);
+  std::unique_ptr<uint64_t[]> homes(new uint64_t[m]);
   if (lookup_first) {
-    m = 0;
-    for (int64_t i = 0; i < n; ++i) {  // without branches: they would mispredict
-      absent[m] = i;
-      m += o[i] < 0;
-    }
+    list_absent(o, n, absent.get());
     at::parallel_for(0, m, 1 << 14, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) homes[j] = home(q[absent[j]], mask);
     });
@@ -301,15 +361,20 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
       // The last region's probes wrap into the first one's (none with a single region).
       const int64_t limit = regions == 1 ? -1 : static_cast<int64_t>(last & mask);
       int64_t mine = 0;
-      for (int64_t k = 0; k < count; ++k) {
-        prefetch_probes(t, mask, k, count, [&](int64_t x) { return homes[own[x]]; });
-        const int64_t j = own[k], i = absent[j];
-        if (!claim(t, mask, q[i], i, homes[j], limit, o)) {
-          crossing[c].push_back(j);
-        } else {
-          mine += is_first(o[i]);
-        }
-      }
+      walk_probes(
+          mask, t, count, [&](int64_t k) { return homes[own[k]]; },
+          [&](int64_t k, uint64_t pos) {
+            const int64_t j = own[k], i = absent[j];
+            if (static_cast<int64_t>(pos) == limit) {  // (regions start on a line)
+              crossing[c].push_back(j);
+              return true;
+            }
+            const int64_t e = scan_line(t, q[i], pos);
+            if (e == kGoOn) return false;
+            claim_at(t, q[i], i, e, o);
+            mine += is_first(o[i]);
+            return true;
+          });
       claimed += mine;
     }
   });
@@ -317,8 +382,12 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
   for (const auto& v : crossing) rest.insert(rest.end(), v.begin(), v.end());
   std::sort(rest.begin(), rest.end());
   for (const int64_t j : rest) {
-    claim(t, mask, q[absent[j]], absent[j], homes[j], -1, o);
-    claimed += is_first(o[absent[j]]);
+    const int64_t i = absent[j];
+    uint64_t pos = homes[j];
+    int64_t e;
+    while ((e = scan_line(t, q[i], pos)) == kGoOn) pos = (pos + kBucket) & mask;
+    claim_at(t, q[i], i, e, o);
+    claimed += is_first(o[i]);
   }
   if (claimed.load() == 0) return {out, -1, size};  // every id was present: nothing to rank
 
@@ -404,9 +473,13 @@ void uniform_by_id_(at::Tensor out, const at::Tensor& ids, double low, double hi
 
 // Header update for rows read by a training batch: timestamp := clock, count += occurrences
 // (saturating at 2^31 - 1). meta packs timestamp | count << 32 | used << 63 (store/layout.py).
-// Serial on purpose: hot ids repeat within a batch (Zipf), and their headers share cache lines
-// (hot ids get low slots), so threads touching them, even each its own rows (the id map's
-// regions), pass the lines back and forth: measured slower than this one prefetching pass.
+// Threads share the work by header line (8 rows a line), never by row or by position in the
+// batch: hot (Zipf) ids repeat within a batch and their headers share lines (hot ids get low
+// slots), so threads updating the same lines would pass them back and forth. Each thread reads
+// the whole batch a block at a time, lists the slots of its own lines (without branches, which
+// would mispredict) and updates them, prefetching ahead. A/B against one prefetching serial
+// pass, 163,840 slots, caches flushed: uniform ids 1.2 -> 0.8 ms over 1M rows, 1.6 -> 1.0 ms
+// over 10M; Zipf ids 0.50 -> 0.48 and 0.71 -> 0.59 ms.
 void touch(at::Tensor meta, const at::Tensor& slots, int64_t clock) {
   TORCH_CHECK(meta.device().is_cpu() && meta.scalar_type() == at::kLong && meta.is_contiguous(),
               "kvzch touch: meta must be a contiguous int64 CPU tensor");
@@ -417,12 +490,31 @@ void touch(at::Tensor meta, const at::Tensor& slots, int64_t clock) {
   const int64_t n = slots.numel();
   const uint64_t ts = static_cast<uint64_t>(clock) & 0xFFFFFFFFULL;
   constexpr uint64_t kCountMask = 0x7FFFFFFFULL;
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kTouchPrefetchDistance < n) __builtin_prefetch(m + s[i + kTouchPrefetchDistance], 1);
-    const uint64_t old = m[s[i]];
-    const uint64_t count = std::min<uint64_t>(((old >> 32) & kCountMask) + 1, kCountMask);
-    m[s[i]] = (old & (1ULL << 63)) | (count << 32) | ts;
-  }
+  // Owners: a power of two, so a line's owner is a mask of its index; one below 16K slots.
+  // (Lines are 8 words from the array's start, which torch and empty_mapped align to 64 bytes.)
+  int64_t owners = 1;
+  while (owners * 2 <= at::get_num_threads() && owners * 2 * 8192 <= n) owners *= 2;
+  at::parallel_for(0, owners, 1, [&](int64_t w0, int64_t w1) {
+    constexpr int64_t kBlock = 4096;
+    int64_t mine[kBlock];
+    for (int64_t w = w0; w < w1; ++w) {
+      for (int64_t b = 0; b < n; b += kBlock) {
+        int64_t count = 0;
+        for (int64_t i = b; i < std::min(n, b + kBlock); ++i) {
+          mine[count] = s[i];
+          count += ((static_cast<uint64_t>(s[i]) >> 3) & (owners - 1)) == static_cast<uint64_t>(w);
+        }
+        for (int64_t k = 0; k < count; ++k) {
+          if (k + kTouchPrefetchDistance < count) {
+            __builtin_prefetch(m + mine[k + kTouchPrefetchDistance], 1);
+          }
+          const uint64_t old = m[mine[k]];
+          const uint64_t c = std::min<uint64_t>(((old >> 32) & kCountMask) + 1, kCountMask);
+          m[mine[k]] = (old & (1ULL << 63)) | (c << 32) | ts;
+        }
+      }
+    }
+  });
 }
 
 // A buffer in an anonymous mapping of its own. MAP_NORESERVE: the store maps address space

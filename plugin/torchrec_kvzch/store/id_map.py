@@ -70,9 +70,13 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
 BUCKET = 4  # entries per cache line; a probe starts at the first entry of its id's line
 
 
+_FIBONACCI = 0x9E3779B97F4A7C15 - 2**64  # 2^64 / golden ratio, as a signed int64
+
+
 def home(ids: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Where each id's probe starts (as ``home`` in the C++ op): the first entry of its bucket."""
-    return mix64(ids) & (capacity - BUCKET)
+    """Where each id's probe starts (as ``home`` in the C++ op): the first entry of its bucket,
+    from the top log2(capacity) bits of ``id * 2^64 / phi`` (Fibonacci hashing)."""
+    return _shr(ids * _FIBONACCI, 64 - (capacity.bit_length() - 1)) & (capacity - BUCKET)
 
 
 def capacity_for(n: int) -> int:

@@ -159,9 +159,10 @@ def test_the_torch_twin_finds_the_same_entries_whatever_its_window(seed, load, t
 @given(seed=st.integers(0, 2**31), load=st.floats(0.5, 0.97), tombs=st.floats(0.0, 0.5))
 def test_native_lookup_parks_long_probes_and_finds_what_the_twin_finds(threads, seed, load, tombs):
     """The native lookup parks probes that run past their bucket's line and resumes them later
-    (and reads on in place once its queue is full). On crowded tables with tombstones, where most
-    probes run on and wrap around the end, and batches of 20,000 ids (present, erased, absent,
-    repeated), it finds exactly the entries the twin's one-entry steps find."""
+    (and works its queue off, in order, whenever it runs full). On crowded tables with
+    tombstones, where most probes run on and wrap around the end, and batches of 20,000 ids
+    (present, erased, absent, repeated), it finds exactly the entries the twin's one-entry steps
+    find."""
     capacity = 4096
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 2**62, (int(load * capacity),), generator=gen).unique()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import platform
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -216,6 +217,9 @@ class NativeKernels:
 
 
 def _load_native() -> tuple[bool, str]:
+    if platform.machine().lower() in ("x86_64", "amd64") and not torch.cpu._is_avx2_supported():
+        # Built with AVX2 (setup.py): loading it here would fault at its first vector instruction.
+        return False, "this x86-64 CPU lacks AVX2, which the op is built for; the torch backend serves"
     try:
         from torchrec_kvzch import _C  # noqa: F401  (registers torch.ops.kvzch.*)
     except ImportError as e:
@@ -227,11 +231,11 @@ _NATIVE_OK, _NATIVE_WHY = _load_native()
 
 
 def native_status(strict: bool = False) -> bool:
-    """Whether the native op is available; with ``strict`` a missing build is an error."""
+    """Whether the native op is available; with ``strict`` its absence is an error."""
     if strict and not _NATIVE_OK:
         raise RuntimeError(
-            f"torchrec_kvzch native op is not built ({_NATIVE_WHY}); reinstall with "
-            "`pip install --no-build-isolation -e .` (or run `make venv`)"
+            f"torchrec_kvzch native op is unavailable ({_NATIVE_WHY}); if it is not built, "
+            "reinstall with `pip install --no-build-isolation -e .` (or run `make venv`)"
         )
     return _NATIVE_OK
 

@@ -7,7 +7,9 @@ kernel holds the rows of 1M ids drawn from 2^40; fbgemm's TBE holds the same row
 sees each id's row index. Both run the same batches (forward + backward + fused update), with
 uniform and Zipf(1.05) ids, alternating step by step after warm-up (which of the two goes first
 alternates too). Ratios are throughputs of the median steps: ours / baseline (1.0 = as fast as
-fbgemm on a dense table).
+fbgemm on a dense table). The comparison runs in ``--processes`` fresh processes (default 3) and
+each figure is the median of theirs: one process's timings are one draw of where its memory
+landed.
 
 The 2-process variant (torchrun, gloo) shards ``configs/bench_lookup.yaml`` with DMP: a KV-ZCH
 table and an ordinary FUSED row-wise table of the same size, planned by our planner. Each step
@@ -21,6 +23,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -90,6 +94,35 @@ def compare(kernel, baseline, universe, batch: int, pooling: int, dist: str, ste
                 times.append((time.perf_counter() - t0) * 1e3)
     ours_ms, base_ms = statistics.median(ours), statistics.median(base)
     return {"ours_ms": ours_ms, "tbe_ms": base_ms, "ratio": base_ms / ours_ms}
+
+
+def one_process(args) -> dict:
+    kernel, baseline, universe = build(args.rows, args.dim, seed=0)
+    results = {}
+    for dist in ("uniform", "zipf"):
+        r = compare(kernel, baseline, universe, args.batch, args.pooling, dist, args.steps, args.warmup)
+        results.update({f"{k}_{dist}": v for k, v in r.items()})
+    return results
+
+
+def fresh_processes(args) -> dict:
+    """``one_process`` in ``args.processes`` fresh processes, one after the other: each figure is
+    the median of theirs, and ``ratio_<dist>_runs`` lists each process's ratio. (On a VM, how
+    fast a process's memory is can differ by 15% from one process to the next, and our random
+    reads suffer more from slow memory than TBE's row reads; one process is one draw.)"""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in tqdm(range(args.processes), desc="bench_lookup processes"):
+            out = Path(tmp) / f"{i}.json"
+            subprocess.run([sys.executable, __file__, "--json", str(args.json), "--one", str(out),
+                            "--rows", str(args.rows), "--dim", str(args.dim), "--batch", str(args.batch),
+                            "--pooling", str(args.pooling), "--steps", str(args.steps),
+                            "--warmup", str(args.warmup)], check=True)
+            runs.append(json.loads(out.read_text()))
+    results = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    for dist in ("uniform", "zipf"):
+        results[f"ratio_{dist}_runs"] = [run[f"ratio_{dist}"] for run in runs]
+    return results
 
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "bench_lookup.yaml"
@@ -178,20 +211,23 @@ def main() -> None:
     parser.add_argument("--pooling", type=int, default=20)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--processes", type=int, default=3,
+                        help="fresh processes for the single-process comparison, each ratio the "
+                             "median of theirs (where a process's memory lands moves its times)")
+    parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # one comparison process's JSON
     args = parser.parse_args()
     if args.worker:
         result = dmp_comparison(args)
         if result is not None:
             Path(args.worker).write_text(json.dumps(result))
         return
+    if args.one:
+        args.one.write_text(json.dumps(one_process(args)))
+        return
 
-    kernel, baseline, universe = build(args.rows, args.dim, seed=0)
     results: dict = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "pooling": args.pooling,
-                     "threads": torch.get_num_threads()}
-    for dist in tqdm(("uniform", "zipf"), desc="bench_lookup"):
-        r = compare(kernel, baseline, universe, args.batch, args.pooling, dist, args.steps, args.warmup)
-        results.update({f"{k}_{dist}": v for k, v in r.items()})
-    del kernel, baseline
+                     "threads": torch.get_num_threads(), "processes": args.processes}
+    results.update(fresh_processes(args))
     if not args.skip_2proc:
         results.update(two_process(args))
     results["targets"] = {"ratio_uniform >= 0.90": results["ratio_uniform"] >= 0.90,

@@ -61,6 +61,15 @@ def test_native_op_is_built():
     assert native_status(strict=True)
 
 
+def test_an_x86_cpu_without_avx2_is_not_given_the_avx2_build(monkeypatch):
+    """The op is compiled with -mavx2 on x86-64: on a CPU without AVX2 it is not loaded (it
+    would fault), and the reason says so."""
+    monkeypatch.setattr(id_map.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: False)
+    ok, why = id_map._load_native()
+    assert not ok and "AVX2" in why
+
+
 @given(ops=ops_st, first=st.booleans())
 def test_backends_agree_with_reference_on_any_sequence(ops, first):
     ref = ReferenceMap()

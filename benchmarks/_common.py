@@ -30,6 +30,28 @@ def interleaved_median_ms(fns, reps: int, warmup: int = 2) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
+def in_fresh_processes(script: str, args: list[str], n: int) -> dict:
+    """Runs ``script --one <json> *args`` in ``n`` fresh processes, one after the other, and
+    returns the median of each figure they report, and each figure's values as ``<key>_runs``.
+    On a VM, how fast a process's memory is can differ by 15% from one process to the next, and
+    our random reads suffer from slow memory more than TBE's row reads: one process is one draw,
+    so a ratio is the median of several (as pyperf spreads a benchmark over worker processes)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in tqdm(range(n), desc=f"{Path(script).stem}: fresh processes"):
+            out = Path(tmp) / f"{i}.json"
+            subprocess.run([sys.executable, script, "--one", str(out), *args], check=True)
+            runs.append(json.loads(out.read_text()))
+    medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    return {**medians, **{f"{key}_runs": [run[key] for run in runs] for key in runs[0]}}
+
+
 def same_huge_pages_for_the_baseline() -> None:
     """Our store madvises its arrays to huge pages; give fbgemm's TBE weights the same by setting
     torch's switch, which torch reads at its first allocation, hence the re-exec."""

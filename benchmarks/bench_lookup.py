@@ -23,8 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,9 +33,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     SplitTableBatchedEmbeddingBagsCodegen,
 )
-from tqdm import tqdm
 
-from _common import print_targets, same_huge_pages_for_the_baseline, torchrun, zipf_ranks
+from _common import (in_fresh_processes, print_targets, same_huge_pages_for_the_baseline, torchrun,
+                     zipf_ranks)
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.kernel import KVZCHTableKernel
 
@@ -102,26 +100,6 @@ def one_process(args) -> dict:
     for dist in ("uniform", "zipf"):
         r = compare(kernel, baseline, universe, args.batch, args.pooling, dist, args.steps, args.warmup)
         results.update({f"{k}_{dist}": v for k, v in r.items()})
-    return results
-
-
-def fresh_processes(args) -> dict:
-    """``one_process`` in ``args.processes`` fresh processes, one after the other: each figure is
-    the median of theirs, and ``ratio_<dist>_runs`` lists each process's ratio. (On a VM, how
-    fast a process's memory is can differ by 15% from one process to the next, and our random
-    reads suffer more from slow memory than TBE's row reads; one process is one draw.)"""
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in tqdm(range(args.processes), desc="bench_lookup processes"):
-            out = Path(tmp) / f"{i}.json"
-            subprocess.run([sys.executable, __file__, "--json", str(args.json), "--one", str(out),
-                            "--rows", str(args.rows), "--dim", str(args.dim), "--batch", str(args.batch),
-                            "--pooling", str(args.pooling), "--steps", str(args.steps),
-                            "--warmup", str(args.warmup)], check=True)
-            runs.append(json.loads(out.read_text()))
-    results = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-    for dist in ("uniform", "zipf"):
-        results[f"ratio_{dist}_runs"] = [run[f"ratio_{dist}"] for run in runs]
     return results
 
 
@@ -227,7 +205,10 @@ def main() -> None:
 
     results: dict = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "pooling": args.pooling,
                      "threads": torch.get_num_threads(), "processes": args.processes}
-    results.update(fresh_processes(args))
+    results.update(in_fresh_processes(__file__, [
+        "--json", str(args.json), "--rows", str(args.rows), "--dim", str(args.dim), "--batch",
+        str(args.batch), "--pooling", str(args.pooling), "--steps", str(args.steps), "--warmup",
+        str(args.warmup)], args.processes))
     if not args.skip_2proc:
         results.update(two_process(args))
     results["targets"] = {"ratio_uniform >= 0.90": results["ratio_uniform"] >= 0.90,

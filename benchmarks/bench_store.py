@@ -6,7 +6,9 @@ For maps holding 1M and 10M keys (ids drawn from 2^50), times ``find_or_insert``
 163,840 ids of which 20% are new, for the native op, the pure-torch twin and a Python dict, in one
 run; reports bytes per key; and times one fbgemm CPU TBE training step (1M x 128 fp32, batch
 8192, pooling 20, rowwise Adagrad) for scale, in turn with the native op on the 10M map, so that
-their ratio compares the two under the same conditions. All times are medians after warm-up, in ms.
+their ratio compares the two under the same conditions; that comparison runs in ``--processes``
+fresh processes (default 3) and ``native_over_tbe_10m`` is the median of their ratios (see
+``_common.in_fresh_processes``). All times are medians after warm-up, in ms.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from _common import interleaved_median_ms, median_ms, print_targets, same_huge_pages_for_the_baseline
+from _common import (in_fresh_processes, interleaved_median_ms, median_ms, print_targets,
+                     same_huge_pages_for_the_baseline)
 from torchrec_kvzch import KVZCHTableParams, RowStore
 from torchrec_kvzch.store.id_map import IdMap
 
@@ -54,17 +57,20 @@ def filled_map(keys: torch.Tensor, backend: str) -> IdMap:
     return m
 
 
-def bench_maps(n_keys: int, reps: int, with_dict: bool, beside=None) -> dict:
-    """Times per map; ``beside``: a baseline step timed in turn with the native op."""
+def bench_maps(n_keys: int, reps: int, with_dict: bool, beside=None, torch_twin: bool = True) -> dict:
+    """Times per map; ``beside``: a baseline step timed in turn with the native op (then only
+    the two times are returned)."""
     keys = torch.unique(torch.randint(0, ID_SPACE, (int(n_keys * 1.01),)))[:n_keys]
     keys = keys[torch.randperm(keys.numel())]
     native = filled_map(keys, "native")
-    out = {"bytes_per_key": native.nbytes / len(native)}
-    # The torch twin runs on a copy of the native table: both backends share one state format.
-    twin = IdMap("torch")
-    twin.table = native.table.clone()
-    twin.slot_keys, twin.size, twin._occupied = native.slot_keys.clone(), native.size, native._occupied
-    for name, m in (("native", native), ("torch", twin)):
+    out = {} if beside is not None else {"bytes_per_key": native.nbytes / len(native)}
+    maps = [("native", native)]
+    if torch_twin:  # on a copy of the native table: both backends share one state format
+        twin = IdMap("torch")
+        twin.table = native.table.clone()
+        twin.slot_keys, twin.size, twin._occupied = native.slot_keys.clone(), native.size, native._occupied
+        maps.append(("torch", twin))
+    for name, m in maps:
         batches = BatchSource(keys, seed=1).take(reps + 2)
         step = lambda m=m, b=batches: m.find_or_insert(next(b))  # noqa: E731
         if name == "native" and beside is not None:
@@ -159,24 +165,33 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--sizes", default="1000000,10000000",
                         help="map sizes; the first two are reported as _1m and _10m")
+    parser.add_argument("--processes", type=int, default=3,
+                        help="fresh processes timing the 10M-key map beside a TBE step; "
+                             "native_over_tbe_10m is the median of their ratios")
+    parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # one such process's JSON
     args = parser.parse_args()
     torch.manual_seed(0)
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.one:  # the map beside fbgemm's step, in this process
+        r = bench_maps(sizes[1], args.reps, False, tbe_step(1_000_000, 128, 8192, 20), torch_twin=False)
+        args.one.write_text(json.dumps({"native_over_tbe_10m": r["native_ms"] / r["beside_ms"],
+                                        "tbe_step_ms": r["beside_ms"]}))
+        return
     results: dict = {"batch_ids": BATCH, "new_fraction": NEW_FRACTION, "threads": torch.get_num_threads(),
                      "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
     steps = tqdm(total=len(sizes) + 1, desc="bench_store", unit="stage")
-    baseline = tbe_step(1_000_000, 128, 8192, 20)
     for size, tag in zip(sizes, ("1m", "10m")):
-        for key, value in bench_maps(size, args.reps, True, baseline if tag == "10m" else None).items():
+        for key, value in bench_maps(size, args.reps, True).items():
             results[f"{key}_{tag}"] = value
         steps.update()
-    results["tbe_step_ms"] = results.pop("beside_ms_10m")
     results["store_insert_ms_1m_d128"] = bench_store_insert(sizes[0], 128, args.reps)
     steps.update()
     steps.close()
+    results.update(in_fresh_processes(__file__, ["--json", str(args.json), "--reps", str(args.reps),
+                                                 "--sizes", args.sizes],
+                                      args.processes))
 
     r = results
-    r["native_over_tbe_10m"] = r["native_ms_10m"] / r["tbe_step_ms"]
     r["dict_over_native_10m"] = r["dict_ms_10m"] / r["native_ms_10m"]
     r["torch_over_native_10m"] = r["torch_ms_10m"] / r["native_ms_10m"]
     r["targets"] = {

@@ -16,10 +16,12 @@ threads) of one plain tensor of the same bytes as a rank's whole rows - a plain 
 process, each rank its half as a row-sharded DTensor in two - loaded into the existing tensor,
 as into a model's parameters. ``load_vs_dcp_dense_ratio`` and ``save_vs_dcp_dense_ratio`` are
 our whole-row time over DCP's (lower is better). The whole-row save and load, DCP's and the raw
-write run one after the other ``--repeats`` times (default 5; every other time in reverse order,
-as a write is slower once earlier ones have filled the page cache); each time is the median over
-those runs (peak memory: the largest) and each ratio the median of the runs' ratios, so that a
-burst of load elsewhere on the machine skews one run, not the ratios. Every run's times are in
+write run one after the other ``--repeats`` times (default 6), each of the three going first in
+turn: a write is slower once earlier ones have filled the page cache, and the first write of a
+run was slower in every run when it followed the deletion of the last run's files without
+waiting (now ``os.sync`` waits for that). Each time is the median over those runs (peak memory:
+the largest) and each ratio the median of the runs' ratios, so that a burst of load elsewhere on
+the machine skews one run, not the ratios. Every run's times are in
 the JSON (``runs``), for the spread.
 
 Async save (whole rows): the time from taking the state dict to ``dcp.async_save`` returning,
@@ -251,14 +253,16 @@ def worker(args) -> None:
             for rep in range(args.repeats):
                 paths = [f"{path}-{rep}", f"{args.dir}/dense-{rep}", f"{args.dir}/raw-{rank}.bin"]
                 run, order = {}, list(zip(steps, paths))
-                # Every other run in reverse: a write is slower once earlier ones filled the cache.
-                for step, where in order[:: 1 if rep % 2 == 0 else -1]:
+                first = rep % len(order)  # each goes first in turn (see the module docstring)
+                for step, where in order[first:] + order[:first]:
                     run.update(step(where))
                 runs.append(run)
                 dist.barrier()
                 if rank == 0:  # the disk holds one run's files at a time
                     for old in (f"{path}-{rep}", f"{args.dir}/dense-{rep}"):
                         shutil.rmtree(old, ignore_errors=True)
+                    os.sync()  # the deletions' writes, before the next run's first write
+                dist.barrier()
             del dense, raw
             out["runs"] = [{k: v for k, v in run.items() if k != "rss_trace"} for run in runs]
             r = {key: (max if key.startswith("load_peak") else statistics.median)(run[key] for run in runs)
@@ -335,7 +339,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4_000_000)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--dir", help="where checkpoints are written (default: a temporary folder)")
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--repeats", type=int, default=6,
                         help="whole-row save and load, DCP's and the raw write: median of this many runs")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -7,7 +7,7 @@ kernel holds the rows of 1M ids drawn from 2^40; fbgemm's TBE holds the same row
 sees each id's row index. Both run the same batches (forward + backward + fused update), with
 uniform and Zipf(1.05) ids, alternating step by step after warm-up (which of the two goes first
 alternates too). Ratios are throughputs of the median steps: ours / baseline (1.0 = as fast as
-fbgemm on a dense table). The comparison runs in ``--processes`` fresh processes (default 3) and
+fbgemm on a dense table). The comparison runs in ``--processes`` fresh processes (default 5) and
 each figure is the median of theirs: one process's timings are one draw of where its memory
 landed.
 
@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--pooling", type=int, default=20)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--processes", type=int, default=3,
+    parser.add_argument("--processes", type=int, default=5,
                         help="fresh processes for the single-process comparison, each ratio the "
                              "median of theirs (where a process's memory lands moves its times)")
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # one comparison process's JSON

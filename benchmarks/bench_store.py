@@ -7,7 +7,7 @@ For maps holding 1M and 10M keys (ids drawn from 2^50), times ``find_or_insert``
 run; reports bytes per key; and times one fbgemm CPU TBE training step (1M x 128 fp32, batch
 8192, pooling 20, rowwise Adagrad) for scale, in turn with the native op on the 10M map, so that
 their ratio compares the two under the same conditions; that comparison runs in ``--processes``
-fresh processes (default 3) and ``native_over_tbe_10m`` is the median of their ratios (see
+fresh processes (default 5) and ``native_over_tbe_10m`` is the median of their ratios (see
 ``_common.in_fresh_processes``). All times are medians after warm-up, in ms.
 """
 
@@ -165,7 +165,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--sizes", default="1000000,10000000",
                         help="map sizes; the first two are reported as _1m and _10m")
-    parser.add_argument("--processes", type=int, default=3,
+    parser.add_argument("--processes", type=int, default=5,
                         help="fresh processes timing the 10M-key map beside a TBE step; "
                              "native_over_tbe_10m is the median of their ratios")
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # one such process's JSON

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from fbgemm_gpu.tbe.ssd.ssd_config import KVZCHTBEConfig
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import KVZCHTBEConfig
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import KeyValueParams
 from torchrec.modules.embedding_configs import (

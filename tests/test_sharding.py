@@ -6,13 +6,18 @@ ordinary FUSED tables over the ids actually used (remapped to 0..n-1), starting 
 rows. Both train on the same batches: outputs and final rows must agree.
 """
 
+import inspect
 import random
 
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+from torchrec.distributed.sharding_plan import (
+    calculate_shard_sizes_and_offsets,
+    construct_module_sharding_plan,
+    row_wise,
+)
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -29,6 +34,25 @@ from torchrec_kvzch.sharding import (
     kvzch_sharders,
 )
 from torchrec_kvzch.store.initializer import uniform_by_id_torch
+
+
+def bucket_row_wise(compute_kernel: str, num_buckets: int):
+    """Row-wise sharding on bucket boundaries: ``row_wise(num_buckets=...)`` on torchrec >= 1.8.
+    torchrec 1.6 (the torch 2.11 stack, ``make test-compat``) lacks the argument: there the same
+    shard sizes (``calculate_shard_sizes_and_offsets`` with buckets, which 1.6 has) go through
+    ``row_wise``'s per-rank sizes, which also set an inference kernel, replaced here."""
+    if "num_buckets" in inspect.signature(row_wise).parameters:
+        return row_wise(compute_kernel=compute_kernel, num_buckets=num_buckets)
+
+    def generate(param, local_size, world_size, device_type, sharder):
+        sizes, _ = calculate_shard_sizes_and_offsets(param, world_size, local_size, "row_wise",
+                                                     num_buckets=num_buckets)
+        sharding = row_wise(([size[0] for size in sizes], device_type))(
+            param, local_size, world_size, device_type, sharder)
+        sharding.compute_kernel = compute_kernel
+        return sharding
+
+    return generate
 
 LR, EPS = 0.05, 1e-8
 FEATURES = {"kv": ["f_a", "f_b"], "kv2": ["f_c"], "plain": ["f_plain"]}
@@ -62,7 +86,7 @@ def build(world_size, case, universe, twin: bool, device=torch.device("cpu")):
     module = collection(tables=configs, device=torch.device("meta"), **weighted)
     sharders = kvzch_sharders({"optimizer": EmbOptimType(case["optimizer"]), "learning_rate": LR, "eps": EPS})
     kernels = {n: row_wise(compute_kernel="fused") if twin else
-               row_wise(compute_kernel=KVZCH_KERNEL, num_buckets=case["buckets"]) for n in ("kv", "kv2")}
+               bucket_row_wise(KVZCH_KERNEL, case["buckets"]) for n in ("kv", "kv2")}
     kernels["plain"] = row_wise(compute_kernel="fused")
     module_plan = construct_module_sharding_plan(module, kernels, sharder=sharders[int(sequence)],
                                                  local_size=world_size, world_size=world_size, device_type=device.type)

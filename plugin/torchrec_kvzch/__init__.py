@@ -1,5 +1,30 @@
 """torchrec-kvzch: KV-ZCH (key-value, zero-collision hashing) embedding tables for TorchRec."""
 
+import logging
+from importlib.metadata import PackageNotFoundError, version
+
+# The stacks the suite runs on (README, "Supported stacks"): torch, fbgemm-gpu, torchrec.
+SUPPORTED_STACKS = (("2.13", "1.8", "1.8"), ("2.11", "1.6", "1.6"))
+
+
+def _installed_stack() -> tuple[str, ...]:
+    def minor(*names: str) -> str:
+        for name in names:
+            try:
+                return ".".join(version(name).split("+")[0].split(".")[:2])
+            except PackageNotFoundError:
+                continue
+        return "none"
+
+    return minor("torch"), minor("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm-gpu-nightly"), minor("torchrec")
+
+
+if _installed_stack() not in SUPPORTED_STACKS:  # a warning: other pairings may work, untested
+    logging.getLogger(__name__).warning(
+        "torchrec_kvzch is tested on torch/fbgemm-gpu/torchrec %s; this is %s. fbgemm-gpu must "
+        "match torch (fbgemm-gpu 1.8 does not load on torch 2.11)",
+        " or ".join("/".join(s) for s in SUPPORTED_STACKS), "/".join(_installed_stack()))
+
 from torchrec_kvzch.kv_tensor import KVTensor, RowPart
 from torchrec_kvzch.params import (
     BucketRange,

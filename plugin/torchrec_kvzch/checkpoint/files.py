@@ -22,6 +22,7 @@ import os
 import pickle
 import sys
 import weakref
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,11 +71,12 @@ class SavedFiles:
         path = os.path.join(self.directory, info.relative_path)
         with open(path, "rb") as f:
             try:
-                archive = torch._C.PyTorchFileReader(_create_file_view(f, info.offset, info.length))
+                view = _create_file_view(f, info.offset, info.length)
+                archive = torch._C.PyTorchFileReader(view)
                 records = [r for r in archive.get_all_records() if r.startswith("data/")]
                 order = (bytes(archive.get_record("byteorder")).decode()
                          if archive.has_record("byteorder") else sys.byteorder)
-                if len(records) != 1 or order != sys.byteorder or archive.get_record_size(records[0]) != nbytes:
+                if len(records) != 1 or order != sys.byteorder or _record_size(archive, view, records[0]) != nbytes:
                     return None
                 if not _plain(_geometry(bytes(archive.get_record("data.pkl"))), records[0][5:], sizes):
                     return None
@@ -160,6 +162,47 @@ class _GeometryUnpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         return pid  # ("storage", storage type, key, location, numel)
 
+
+
+def _record_size(archive, view, name: str) -> int:
+    """The stored size of record ``name``: torch 2.13's zip reader tells it; torch 2.11's has no
+    ``get_record_size``, so there the zip's central directory (stdlib ``zipfile``) does."""
+    if hasattr(archive, "get_record_size"):
+        return archive.get_record_size(name)
+    with zipfile.ZipFile(_Window(view.base_stream, view.offset, view.len)) as z:
+        # torch names its entries "<archive>/<record>"
+        [entry] = [e for e in z.infolist() if e.filename.split("/", 1)[-1] == name]
+        return entry.file_size
+
+
+class _Window(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, as a seekable file of their own (for
+    ``zipfile``, whose seeks from the end DCP's own view does not take)."""
+
+    def __init__(self, f, start: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._length, self._pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(0, base + offset), self._length)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._length - self._pos)
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(buffer)[:n])
+        self._pos += got
+        return got
 
 def _geometry(pickled: bytes):
     """(storage key, storage offset, size, stride) of a pickled tensor, or None."""

@@ -37,11 +37,13 @@ from torchrec_kvzch.params import EvictionPolicy, KVZCHTableParams, OptimizerKin
 
 logger = logging.getLogger(__name__)
 
-# TorchRec's kernels for KV-ZCH tables. Ours serves all three from DRAM: the first is the
-# name plans carry; the SSD ones get a notice (their rows are not on SSD here).
+# TorchRec's kernels for KV-ZCH tables. Ours serves all of them from DRAM: the first is the
+# name plans carry; the SSD ones get a notice (their rows are not on SSD here). TorchRec 1.6
+# (the torch 2.11 stack) has no DRAM_SSD_VIRTUAL_TABLE yet.
 KVZCH_KERNEL = EmbeddingComputeKernel.DRAM_VIRTUAL_TABLE.value
-VIRTUAL_KERNELS = (KVZCH_KERNEL, EmbeddingComputeKernel.SSD_VIRTUAL_TABLE.value,
-                   EmbeddingComputeKernel.DRAM_SSD_VIRTUAL_TABLE.value)
+VIRTUAL_KERNELS = tuple(EmbeddingComputeKernel[name].value
+                        for name in ("DRAM_VIRTUAL_TABLE", "SSD_VIRTUAL_TABLE", "DRAM_SSD_VIRTUAL_TABLE")
+                        if name in EmbeddingComputeKernel.__members__)
 
 _DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16"}
 # TorchRec's init range for virtual tables that do not set one (its SSD/DRAM TBE's default).
@@ -196,7 +198,7 @@ def eviction_policy(table: str, policy, key_value_params=None) -> EvictionPolicy
 def _trigger(table: str, kind: str, policy, key_value_params, fail) -> dict:
     """When passes run, from fbgemm's trigger mode (TorchRec's default: memory, past
     ``KeyValueParams.l2_cache_size`` GB)."""
-    from fbgemm_gpu.tbe.ssd.ssd_config import KVZCHTBEConfig
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import KVZCHTBEConfig
 
     config = getattr(key_value_params, "kvzch_tbe_config", None) or KVZCHTBEConfig()
     mode = config.kvzch_eviction_trigger_mode

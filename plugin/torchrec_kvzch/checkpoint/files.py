@@ -163,7 +163,6 @@ class _GeometryUnpickler(pickle.Unpickler):
         return pid  # ("storage", storage type, key, location, numel)
 
 
-
 def _record_size(archive, view, name: str) -> int:
     """The stored size of record ``name``: torch 2.13's zip reader tells it; torch 2.11's has no
     ``get_record_size``, so there the zip's central directory (stdlib ``zipfile``) does."""

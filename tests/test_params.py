@@ -122,3 +122,17 @@ def test_eviction_policy_accepts_triggers_and_mixed_rules():
                                          trigger="rows", trigger_rows=100)).eviction
     assert mixed.trigger.value == "rows" and mixed.ttl_minutes == 30.0
     assert make(eviction=EvictionPolicy(kind="l2", l2_threshold=0.1)).eviction.kind.value == "l2"
+
+
+def test_an_untested_stack_is_warned_about(monkeypatch, caplog):
+    """Importing the plugin checks torch/fbgemm-gpu/torchrec against the tested pairings: this
+    stack passes, and the same fbgemm-gpu and torchrec beside torch 2.12 are warned about."""
+    import torchrec_kvzch
+
+    assert torchrec_kvzch.installed_stack() in torchrec_kvzch.SUPPORTED_STACKS
+    assert torchrec_kvzch.check_stack()
+    real = torchrec_kvzch.version
+    monkeypatch.setattr(torchrec_kvzch, "version", lambda name: "2.12.0" if name == "torch" else real(name))
+    with caplog.at_level("WARNING", logger="torchrec_kvzch"):
+        assert not torchrec_kvzch.check_stack()
+    assert "this is 2.12/" in caplog.text and "fbgemm-gpu must match torch" in caplog.text

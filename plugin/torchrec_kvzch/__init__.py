@@ -7,7 +7,8 @@ from importlib.metadata import PackageNotFoundError, version
 SUPPORTED_STACKS = (("2.13", "1.8", "1.8"), ("2.11", "1.6", "1.6"))
 
 
-def _installed_stack() -> tuple[str, ...]:
+def installed_stack() -> tuple[str, str, str]:
+    """torch, fbgemm-gpu (either build) and torchrec as installed, each "major.minor"."""
     def minor(*names: str) -> str:
         for name in names:
             try:
@@ -19,11 +20,20 @@ def _installed_stack() -> tuple[str, ...]:
     return minor("torch"), minor("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm-gpu-nightly"), minor("torchrec")
 
 
-if _installed_stack() not in SUPPORTED_STACKS:  # a warning: other pairings may work, untested
+def check_stack() -> bool:
+    """Logs a warning unless the installed stack is a tested one (other pairings may work, but
+    are untested); returns whether it is."""
+    stack = installed_stack()
+    if stack in SUPPORTED_STACKS:
+        return True
     logging.getLogger(__name__).warning(
         "torchrec_kvzch is tested on torch/fbgemm-gpu/torchrec %s; this is %s. fbgemm-gpu must "
         "match torch (fbgemm-gpu 1.8 does not load on torch 2.11)",
-        " or ".join("/".join(s) for s in SUPPORTED_STACKS), "/".join(_installed_stack()))
+        " or ".join("/".join(s) for s in SUPPORTED_STACKS), "/".join(stack))
+    return False
+
+
+check_stack()
 
 from torchrec_kvzch.kv_tensor import KVTensor, RowPart
 from torchrec_kvzch.params import (

@@ -13,7 +13,7 @@ venv: $(STAMP)
 # finds the stamp and does nothing. The plugin is installed with --no-build-isolation so the C++
 # op compiles against the torch installed here (an isolated build would download a multi-GB
 # CUDA torch).
-$(STAMP): requirements.txt setup.py setup.cfg pyproject.toml $(wildcard plugin/torchrec_kvzch/store/csrc/*.cpp)
+$(STAMP): requirements.txt setup.py setup.cfg pyproject.toml $(wildcard plugin/torchrec_kvzch/table/csrc/*.cpp plugin/torchrec_kvzch/table/csrc/*.h)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHREC)
@@ -26,12 +26,12 @@ test: $(STAMP)
 
 # The main job: train on 2 processes -> checkpoint -> resume on 1 -> compare predictions.
 demo: $(STAMP)
-	$(VPY) -m torchrec_kvzch.demo --json results/demo.json
+	$(VPY) -m torchrec_kvzch.job.demo --json results/demo.json
 
 bench: $(STAMP)
 	$(VPY) benchmarks/run_all.py
 
-# The other supported stack (README, "Supported stacks"): torch 2.11 + fbgemm-gpu 1.6 + torchrec
+# The other supported stack (docs/stacks.md): torch 2.11 + fbgemm-gpu 1.6 + torchrec
 # 1.6.1, what the GPU machines run. Its own venv, the plugin built from a copy of this tree (an
 # editable install would replace the main venv's op); not in CI. PyPI's torch 2.11 for x86-64 is
 # the CUDA build (about 3 GB with its NVIDIA libraries); it runs the suite on the CPU. (It asks
@@ -50,7 +50,7 @@ test-compat:
 	$(COMPAT)/bin/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation $(COMPAT)/src
 	cd $(COMPAT)/src && ../bin/python -m pytest -q tests
 
-# The offline kit for a GPU machine without a package index (README, "GPUs"); not part of CI.
+# The offline kit for a GPU machine without a package index (docs/gpu.md); not part of CI.
 gpu-kit:
 	tools/gpu/make_kit.sh .gpu
 

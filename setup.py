@@ -5,15 +5,16 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 # On x86-64 the id map compares a bucket's keys with AVX2 (x86-64-v3: every x86 server CPU since
-# 2013); `torchrec_kvzch.store.id_map` does not load the op on a CPU without it.
+# 2013); `torchrec_kvzch.table.native` does not load the op on a CPU without it.
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 
 setup(
     ext_modules=[
         CppExtension(
             "torchrec_kvzch._C",
-            ["plugin/torchrec_kvzch/store/csrc/kvzch_ops.cpp",
-             "plugin/torchrec_kvzch/store/csrc/checkpoint_ops.cpp"],
+            ["plugin/torchrec_kvzch/table/csrc/id_map_ops.cpp",
+             "plugin/torchrec_kvzch/table/csrc/row_ops.cpp",
+             "plugin/torchrec_kvzch/table/csrc/checkpoint_ops.cpp"],
             # fp-contract=off keeps the id-seeded initializer bit-identical to its torch twin.
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"] + (["-mavx2"] if X86_64 else []),
             extra_link_args=["-fopenmp"],

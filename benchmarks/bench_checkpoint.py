@@ -81,7 +81,7 @@ def build(world: int, rows_total: int, dim: int, whole_row: bool, chunk_rows: in
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     from torchrec_kvzch import KVZCHTableParams
-    from torchrec_kvzch.sharding import (KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config,
+    from torchrec_kvzch.torchrec import (KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config,
                                          kvzch_sharders, kvzch_tables)
 
     params = KVZCHTableParams("big", dim, num_embeddings=2**40, total_num_buckets=1024,
@@ -94,8 +94,8 @@ def build(world: int, rows_total: int, dim: int, whole_row: bool, chunk_rows: in
     plan = planner.collective_plan(ebc, kvzch_sharders(), dist.group.WORLD)
     model = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=kvzch_sharders(),
                                      env=ShardingEnv.from_process_group(dist.group.WORLD))
-    (_, kernel), = kvzch_tables(model)
-    store, r = kernel.store, kernel.store.bucket_range
+    (_, tbe), = kvzch_tables(model)
+    store, r = tbe.store, tbe.store.bucket_range
     gen = torch.Generator().manual_seed(dist.get_rank())
     per_rank = rows_total // world
     for _ in range(0, per_rank, 1 << 20):  # rows with distinct weights and optimizer state
@@ -108,14 +108,13 @@ def build(world: int, rows_total: int, dim: int, whole_row: bool, chunk_rows: in
 def timed_save_and_load(model, path: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torchrec_kvzch.checkpoint.planner import KVZCHLoadPlanner, KVZCHSavePlanner
-    from torchrec_kvzch.checkpoint.writer import KVZCHFileSystemWriter
+    from torchrec_kvzch import KVZCHFileSystemWriter, KVZCHLoadPlanner, KVZCHSavePlanner
 
     dist.barrier()
     t0 = time.perf_counter()
     state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
     state_dict_s = time.perf_counter() - t0
-    # Two writer threads: one materialises chunks while the other writes (see the README).
+    # Two writer threads: one materialises chunks while the other writes (see docs/checkpoints.md).
     dcp.save(state, storage_writer=KVZCHFileSystemWriter(path, thread_count=2), planner=KVZCHSavePlanner())
     dist.barrier()
     save_s = time.perf_counter() - t0 - state_dict_s
@@ -143,13 +142,13 @@ def timed_async_save(model, store, path: str, checkpoint_group) -> dict:
     import torch.distributed.checkpoint as dcp
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from torchrec_kvzch.checkpoint.planner import KVZCHSavePlanner
+    from torchrec_kvzch.checkpoint.save_planner import KVZCHSavePlanner
     from torchrec_kvzch.checkpoint.staging import KVZCHAsyncStager
-    from torchrec_kvzch.checkpoint.state_dict import kv_view
+    from torchrec_kvzch.torchrec.state_dict import kv_view
     from torchrec_kvzch.checkpoint.writer import KVZCHFileSystemWriter
 
     gen = torch.Generator().manual_seed(dist.get_rank())
-    ids, world = store.sorted_ids(), dist.get_world_size()
+    ids, world = torch.sort(store.keys()).values, dist.get_world_size()
 
     def batch() -> KeyedJaggedTensor:  # 4096 ids per rank: half new rows, half old ones
         n = world * 4096

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from bench_lookup import batches, build, compare, dmp_comparison
-from torchrec_kvzch.store.id_map import IdMap
+from torchrec_kvzch.table.id_map import IdMap
 
 TARGET = 0.7
 DISTS = ("uniform", "zipf")
@@ -56,12 +56,12 @@ def device_ms(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def map_ms(kernel, universe, batch: int, pooling: int, dist: str, reps: int) -> float:
+def map_ms(tbe, universe, batch: int, pooling: int, dist: str, reps: int) -> float:
     """The store's find_or_insert + header touch alone, on batches like the step's."""
     ids = [universe[local.to(universe.device)]
            for local in batches(universe.numel(), batch, pooling, dist, reps + 2, seed=9)]
     it = iter(ids)
-    return device_ms(lambda: kernel.store.find_or_insert(next(it)), universe.device, reps)
+    return device_ms(lambda: tbe.store.find_or_insert(next(it)), universe.device, reps)
 
 
 def id_map_rates(universe: torch.Tensor, reps: int) -> dict:
@@ -83,7 +83,7 @@ def id_map_rates(universe: torch.Tensor, reps: int) -> dict:
     inserts = iter([mixed() for _ in range(reps + 2)])
     find = device_ms(lambda: m.find(next(finds)), universe.device, reps)
     insert = device_ms(lambda: m.find_or_insert(next(inserts)), universe.device, reps)
-    return {"map_keys": len(m), "map_load_factor": len(m) / m.capacity, "map_backend": m.kernels.name,
+    return {"map_keys": len(m), "map_load_factor": len(m) / m.capacity, "map_backend": m.backend.name,
             "find_keys_per_s": n / find * 1e3, "find_or_insert_keys_per_s": n / insert * 1e3}
 
 
@@ -120,17 +120,17 @@ def plot(results: dict, path: Path) -> None:
 def single_gpu(args, device: torch.device) -> dict:
     results: dict = {**versions(device), "dim": args.dim, "pooling": args.pooling}
     for rows in args.rows:
-        kernel, baseline, universe = build(rows, args.dim, seed=0, device=device)
+        tbe, baseline, universe = build(rows, args.dim, seed=0, device=device)
         for batch in args.batches:
             for dist in tqdm(DISTS, desc=f"bench_gpu {tag(rows)} batch {batch}"):
                 case = f"{tag(rows)}_b{batch}_{dist}"
-                r = compare(kernel, baseline, universe, batch, args.pooling, dist, args.steps, args.warmup)
+                r = compare(tbe, baseline, universe, batch, args.pooling, dist, args.steps, args.warmup)
                 results.update({f"ours_ms_{case}": r["ours_ms"], f"tbe_ms_{case}": r["tbe_ms"],
                                 f"ratio_{case}": r["ratio"]})
-                results[f"map_ms_{case}"] = map_ms(kernel, universe, batch, args.pooling, dist, args.steps)
+                results[f"map_ms_{case}"] = map_ms(tbe, universe, batch, args.pooling, dist, args.steps)
         if rows == args.rows[-1]:
             results.update(id_map_rates(universe, args.steps))
-        del kernel, baseline, universe
+        del tbe, baseline, universe
         if device.type == "cuda":
             torch.cuda.empty_cache()
     ratios = {k: v for k, v in results.items() if k.startswith("ratio_")}

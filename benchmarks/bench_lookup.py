@@ -11,7 +11,7 @@ fbgemm on a dense table). The comparison runs in ``--processes`` fresh processes
 each figure is the median of theirs: one process's timings are one draw of where its memory
 landed.
 
-The 2-process variant (torchrun, gloo) shards ``configs/bench_lookup.yaml`` with DMP: a KV-ZCH
+The 2-process variant (torchrun, gloo) shards ``benchmarks/bench_lookup.yaml`` with DMP: a KV-ZCH
 table and an ordinary FUSED row-wise table of the same size, planned by our planner. Each step
 sends a global batch of 8192 x 20 uniform ids either all to the KV-ZCH table or all to the FUSED
 table (the other feature empty), through input all-to-all, lookup, reduce-scatter and backward.
@@ -37,7 +37,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from _common import (in_fresh_processes, print_targets, same_huge_pages_for_the_baseline, torchrun,
                      zipf_ranks)
 from torchrec_kvzch import KVZCHTableParams
-from torchrec_kvzch.kernel import KVZCHTableKernel
+from torchrec_kvzch.table.tbe import TableTBE
 
 
 def build(rows: int, dim: int, seed: int, device: torch.device = torch.device("cpu")):
@@ -45,12 +45,12 @@ def build(rows: int, dim: int, seed: int, device: torch.device = torch.device("c
     rows densely there, and the ids (on ``device``; id k's dense row is k)."""
     params = KVZCHTableParams("bench", dim, num_embeddings=2**40, total_num_buckets=1024,
                               learning_rate=0.01)
-    kernel = KVZCHTableKernel(params, params.bucket_range(0, 1), initial_rows=rows, device=device)
+    tbe = TableTBE(params, params.bucket_range(0, 1), initial_rows=rows, device=device)
     gen = torch.Generator().manual_seed(seed)
     universe = torch.randint(0, 2**40, (int(rows * 1.01),), generator=gen).unique()[:rows]
     universe = universe[torch.randperm(universe.numel(), generator=gen)].to(device)
     for chunk in universe.split(1 << 22):
-        kernel.store.find_or_insert(chunk, touch=False)
+        tbe.store.find_or_insert(chunk, touch=False)
     cuda = device.type == "cuda"
     baseline = SplitTableBatchedEmbeddingBagsCodegen(
         [(universe.numel(), dim, EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST,
@@ -60,8 +60,8 @@ def build(rows: int, dim: int, seed: int, device: torch.device = torch.device("c
     with torch.no_grad():
         weights = baseline.weights_dev if cuda else baseline.weights_host
         for rows_at in torch.arange(universe.numel(), device=device).split(1 << 20):
-            weights.view(-1, dim)[rows_at] = kernel.store.read_ids(universe[rows_at])
-    return kernel, baseline, universe
+            weights.view(-1, dim)[rows_at] = tbe.store.read_ids(universe[rows_at])
+    return tbe, baseline, universe
 
 
 def batches(n_rows: int, batch: int, pooling: int, dist: str, count: int, seed: int):
@@ -73,15 +73,15 @@ def batches(n_rows: int, batch: int, pooling: int, dist: str, count: int, seed: 
             yield torch.randint(0, n_rows, (batch * pooling,), generator=gen)
 
 
-def compare(kernel, baseline, universe, batch: int, pooling: int, dist: str, steps: int, warmup: int):
+def compare(tbe, baseline, universe, batch: int, pooling: int, dist: str, steps: int, warmup: int):
     device = universe.device
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     offsets = torch.arange(0, batch * pooling + 1, pooling, dtype=torch.long, device=device)
     ours, base = [], []
     for i, local in enumerate(batches(universe.numel(), batch, pooling, dist, steps + warmup, seed=7)):
         local = local.to(device)
-        ids = universe[local]  # global ids for our kernel, row indices for the baseline
-        pair = ((kernel, ids, ours), (baseline, local, base))
+        ids = universe[local]  # global ids for ours, row indices for the baseline
+        pair = ((tbe, ids, ours), (baseline, local, base))
         for module, inputs, times in pair if i % 2 else pair[::-1]:
             sync()
             t0 = time.perf_counter()
@@ -95,15 +95,15 @@ def compare(kernel, baseline, universe, batch: int, pooling: int, dist: str, ste
 
 
 def one_process(args) -> dict:
-    kernel, baseline, universe = build(args.rows, args.dim, seed=0)
+    tbe, baseline, universe = build(args.rows, args.dim, seed=0)
     results = {}
     for dist in ("uniform", "zipf"):
-        r = compare(kernel, baseline, universe, args.batch, args.pooling, dist, args.steps, args.warmup)
+        r = compare(tbe, baseline, universe, args.batch, args.pooling, dist, args.steps, args.warmup)
         results.update({f"{k}_{dist}": v for k, v in r.items()})
     return results
 
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "bench_lookup.yaml"
+CONFIG = Path(__file__).resolve().parent / "bench_lookup.yaml"
 
 
 def two_process(args) -> dict:
@@ -126,8 +126,8 @@ def dmp_comparison(args, device: str = "cpu") -> dict | None:
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from torchrec_kvzch.config import load_config
-    from torchrec_kvzch.sharding import kvzch_tables
+    from torchrec_kvzch.torchrec.config import load_config
+    from torchrec_kvzch.torchrec import kvzch_tables
 
     cuda = device == "cuda"
     if cuda:
@@ -146,9 +146,9 @@ def dmp_comparison(args, device: str = "cpu") -> dict | None:
     rows = next(t for t in config.tables if t.kvzch is None).num_embeddings
     universe = torch.randint(0, config.kvzch_tables[0].num_embeddings, (int(rows * 1.01),),
                              generator=torch.Generator().manual_seed(0)).unique()[:rows]
-    for _, kernel in kvzch_tables(dmp):  # the same live rows as the dense table
-        r = kernel.store.bucket_range
-        kernel.store.find_or_insert(universe[(universe >= r.id_start) & (universe < r.id_end)].to(on),
+    for _, tbe in kvzch_tables(dmp):  # the same live rows as the dense table
+        r = tbe.store.bucket_range
+        tbe.store.find_or_insert(universe[(universe >= r.id_start) & (universe < r.id_end)].to(on),
                                     touch=False)
     local_batch = args.batch // world
     n = local_batch * args.pooling

@@ -27,7 +27,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from _common import print_targets
 from torchrec_kvzch import KVZCHTableParams
-from torchrec_kvzch.sharding import KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config, kvzch_sharders
+from torchrec_kvzch.torchrec import KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config, kvzch_sharders
 
 DIMS = (32, 64, 128, 256)
 

@@ -36,34 +36,34 @@ from tqdm import tqdm
 from _common import fixed_mmap_threshold, print_targets, same_huge_pages_for_the_baseline
 from bench_lookup import compare
 from torchrec_kvzch import KVZCHTableParams
-from torchrec_kvzch.kernel import KVZCHTableKernel
+from torchrec_kvzch.table.tbe import TableTBE
 
 
 def filled(rows: int, dim: int, seed: int = 0):
     """Our kernel and a dense TBE holding the same ``rows`` rows (ids from 2^40)."""
     params = KVZCHTableParams("scaling", dim, num_embeddings=2**40, total_num_buckets=1024, learning_rate=0.01)
-    kernel = KVZCHTableKernel(params, params.bucket_range(0, 1))
+    tbe = TableTBE(params, params.bucket_range(0, 1))
     gen = torch.Generator().manual_seed(seed)
     universe = torch.randint(0, 2**40, (int(rows * 1.01),), generator=gen).unique()[:rows]
     universe = universe[torch.randperm(universe.numel(), generator=gen)]
     for chunk in universe.split(163_840):  # as training inserts: a batch at a time
-        kernel.store.find_or_insert(chunk, touch=False)
+        tbe.store.find_or_insert(chunk, touch=False)
     baseline = SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
         optimizer=params.optimizer.to_fbgemm(), learning_rate=params.learning_rate, eps=params.eps)
     with torch.no_grad():
-        baseline.weights_host.copy_(kernel.store.read_ids(universe).view(-1))
-    return kernel, baseline, universe
+        baseline.weights_host.copy_(tbe.store.read_ids(universe).view(-1))
+    return tbe, baseline, universe
 
 
 def rss_worker(rows: int, dim: int, batch: int, pooling: int, reserve: bool) -> dict:
     """Grow one table to ``rows`` rows by training steps of new ids; RSS growth per live row."""
-    from torchrec_kvzch.store.layout import RowLayout
+    from torchrec_kvzch.table.layout import RowLayout
 
     params = KVZCHTableParams("rss", dim, num_embeddings=2**40, total_num_buckets=1024, learning_rate=0.01)
     process = psutil.Process()
     before = process.memory_info().rss
-    kernel = KVZCHTableKernel(params, params.bucket_range(0, 1), initial_rows=rows if reserve else 0)
+    tbe = TableTBE(params, params.bucket_range(0, 1), initial_rows=rows if reserve else 0)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 2**40, (int(rows * 1.01),), generator=gen).unique()[:rows]
     ids = ids[torch.randperm(ids.numel(), generator=gen)]
@@ -71,13 +71,13 @@ def rss_worker(rows: int, dim: int, batch: int, pooling: int, reserve: bool) -> 
     for chunk in ids.split(batch * pooling):
         offsets = torch.arange(0, chunk.numel() + 1, pooling)
         offsets[-1] = chunk.numel()
-        out = kernel(chunk, offsets)
+        out = tbe(chunk, offsets)
         out.backward(torch.ones_like(out))
     del out
     grown = process.memory_info().rss - before - extra
     raw = RowLayout.for_table(params).row_width * RowLayout.for_table(params).itemsize
-    return {"rows": len(kernel.store), "rss_bytes_per_row": grown / len(kernel.store),
-            "whole_row_bytes": raw, "ratio": grown / len(kernel.store) / raw}
+    return {"rows": len(tbe.store), "rss_bytes_per_row": grown / len(tbe.store),
+            "whole_row_bytes": raw, "ratio": grown / len(tbe.store) / raw}
 
 
 def rss_in_fresh_process(args, reserve: bool) -> dict:
@@ -128,13 +128,13 @@ def main() -> None:
     memory = {kind: rss_in_fresh_process(args, kind == "reserved") for kind in ("grown", "reserved")}
     results = []
     for rows in tqdm([int(s) for s in args.sizes.split(",")], desc="sizes"):
-        kernel, baseline, universe = filled(rows, args.dim)
-        entry = {"rows": rows, "bytes_per_row": kernel.store.nbytes / rows,
+        tbe, baseline, universe = filled(rows, args.dim)
+        entry = {"rows": rows, "bytes_per_row": tbe.store.nbytes / rows,
                  "dense_bytes_per_row": args.dim * 4 + 4}
         for dist in ("uniform", "zipf"):
-            entry[dist] = compare(kernel, baseline, universe, args.batch, args.pooling, dist, args.steps, warmup=2)
+            entry[dist] = compare(tbe, baseline, universe, args.batch, args.pooling, dist, args.steps, warmup=2)
         results.append(entry)
-        del kernel, baseline, universe
+        del tbe, baseline, universe
     first, last = results[0], results[-1]
     out = {"dim": args.dim, "batch": args.batch, "pooling": args.pooling, "sizes": results,
            "uniform_ratio_at_largest": last["uniform"]["ratio"],

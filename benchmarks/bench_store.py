@@ -25,7 +25,7 @@ from tqdm import tqdm
 from _common import (in_fresh_processes, interleaved_median_ms, median_ms, print_targets,
                      same_huge_pages_for_the_baseline)
 from torchrec_kvzch import KVZCHTableParams, RowStore
-from torchrec_kvzch.store.id_map import IdMap
+from torchrec_kvzch.table.id_map import IdMap
 
 ID_SPACE = 2**50
 BATCH = 8192 * 20
@@ -104,7 +104,7 @@ def bench_store_insert(n_rows: int, dim: int, reps: int) -> float:
     keys = torch.randint(0, ID_SPACE, (n_rows,))
     for chunk in keys.split(1 << 18):
         store.find_or_insert(chunk)
-    batches = BatchSource(store.map.keys().clone(), seed=2).take(reps + 2)
+    batches = BatchSource(store.keys().clone(), seed=2).take(reps + 2)
     return median_ms(lambda: store.find_or_insert(next(batches)), reps)
 
 

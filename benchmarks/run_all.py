@@ -6,9 +6,11 @@
 Each benchmark runs as its own process (they measure memory and re-exec for huge pages) and
 writes ``results/<name>.json`` (and a PNG where a plot helps); this script then writes
 ``results/summary.json`` with every target, its measured value and whether it was met, the wall
-time of each, and how quiet the machine was (load before the run, CPU steal during it), and
-regenerates the README's benchmark table from it (between the ``bench:table`` markers), copying
-the run's JSON to ``docs/benchmarks/``, so the figures there are one dated run's, never retyped. A target is named ``<JSON key> <comparison>``.
+time of each, and how quiet the machine was (load before the run, CPU steal during it). After
+a whole run (not ``--only``) it regenerates the table in ``docs/benchmarks.md`` from it (between
+the ``bench:table`` markers) and copies the run's JSON to ``docs/benchmarks/``, so the figures
+there are one dated run's, never retyped; ``--no-docs`` (old name ``--no-readme``) leaves both
+alone. A target is named ``<JSON key> <comparison>``.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ BENCHMARKS = {  # name -> (script, its JSON, arguments); the order runs the quic
 }
 
 
-README = HERE.parent / "README.md"
-DOCS = HERE.parent / "docs" / "benchmarks"
+PAGE = HERE.parent / "docs" / "benchmarks.md"  # the page holding the table, between the markers
+DOCS = HERE.parent / "docs" / "benchmarks"  # the JSON of the run the table shows
 MARKERS = ("<!-- bench:table:start -->", "<!-- bench:table:end -->")
 
 
@@ -76,11 +78,11 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(text: str, results: Path) -> None:
-    """The README's table, and beside it in docs/benchmarks/ the run's JSON it was made from."""
-    readme = README.read_text()
-    start, end = (readme.index(m) for m in MARKERS)
-    README.write_text(readme[: start + len(MARKERS[0])] + "\n" + text + "\n" + readme[end:])
+def update_docs(text: str, results: Path) -> None:
+    """The table of docs/benchmarks.md, and in docs/benchmarks/ the run's JSON it was made from."""
+    page = PAGE.read_text()
+    start, end = (page.index(m) for m in MARKERS)
+    PAGE.write_text(page[: start + len(MARKERS[0])] + "\n" + text + "\n" + page[end:])
     DOCS.mkdir(parents=True, exist_ok=True)
     for path in results.glob("*.json"):
         if path.name != "demo.json":
@@ -91,7 +93,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run just these")
-    parser.add_argument("--no-readme", action="store_true", help="leave README.md's table alone")
+    parser.add_argument("--no-docs", "--no-readme", dest="no_docs", action="store_true",
+                        help="leave docs/benchmarks.md's table and docs/benchmarks/*.json alone "
+                             "(--no-readme: the old name)")
     args = parser.parse_args()
     args.results.mkdir(parents=True, exist_ok=True)
     summary, failed = {}, []
@@ -119,8 +123,8 @@ def main() -> int:
     (args.results / "summary.json").write_text(json.dumps(summary, indent=1))
     text = table(summary)
     print("\n" + text)
-    if not args.no_readme and not args.only:  # the README shows whole runs only
-        update_readme(text, args.results)
+    if not args.no_docs and not args.only:  # the docs show whole runs only
+        update_docs(text, args.results)
     print(f"\nwrote {args.results / 'summary.json'}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

@@ -13,7 +13,7 @@ records the process RSS and the live rows. The target compares the RSS growth th
 the peak RSS minus a baseline taken before they exist - with the budget.
 
 The run re-executes itself with glibc's mmap threshold fixed at 1 MiB (``_common.fixed_mmap_threshold``,
-the setting the README recommends for jobs under a budget); ``--default-malloc`` keeps glibc's
+the setting docs/eviction.md recommends for jobs under a budget); ``--default-malloc`` keeps glibc's
 moving threshold, under which freed temporaries of torch and fbgemm stay in the heap.
 """
 
@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 from _common import fixed_mmap_threshold, print_targets, zipf_ranks
 from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, RankBudget, SharedBudget
-from torchrec_kvzch.kernel import KVZCHTableKernel
-from torchrec_kvzch.store.eviction import budget_bytes
+from torchrec_kvzch.table.tbe import TableTBE
+from torchrec_kvzch.table.eviction import budget_bytes
 
 
 def plot(trace: list[dict], tables: list[str], budget: int, path: Path) -> None:
@@ -82,33 +82,31 @@ def main() -> None:
     buckets = params[0].bucket_range(0, 1)
     # Warm the allocator and fbgemm on throwaway tables first, so the baseline holds them.
     for p in params:
-        warm = KVZCHTableKernel(KVZCHTableParams("warm", p.embedding_dim, num_embeddings=2**40,
+        warm = TableTBE(KVZCHTableParams("warm", p.embedding_dim, num_embeddings=2**40,
                                                  total_num_buckets=1024), buckets)
         warm(torch.arange(args.batch), offsets).sum().backward()
         del warm
     baseline = process.memory_info().rss
-    kernels = [KVZCHTableKernel(p, buckets) for p in params]
     shared = SharedBudget(RankBudget(max_bytes=budget)) if rank_scope else None
-    for kernel in kernels if shared else ():
-        shared.attach(kernel.store)
+    tbes = [TableTBE(p, buckets, budget=shared) for p in params]
     popular = torch.randint(0, 2**40, (100_000,), generator=gen)
     trace, peak, t0 = [], 0, time.perf_counter()
     for step in tqdm(range(args.steps), desc=f"soak ({args.scope})", mininterval=2):
         loss = 0
-        for i, kernel in enumerate(kernels):
+        for i, tbe in enumerate(tbes):
             fresh_share = args.fresh
             if rank_scope:  # a takes most fresh ids in the first half, b in the second
                 fresh_share = 0.9 if (i == 0) == (step < args.steps // 2) else 0.1
             fresh = torch.rand(args.batch, generator=gen) < fresh_share
             ids = torch.where(fresh, torch.randint(0, 2**40, (args.batch,), generator=gen),
                               popular[zipf_ranks(popular.numel(), args.batch, 1.05, gen)])
-            loss = loss + kernel(ids, offsets).sum()
+            loss = loss + tbe(ids, offsets).sum()
         loss.backward()
         rss = process.memory_info().rss
         peak = max(peak, rss)
         trace.append({"step": step, "rss_growth": rss - baseline,
-                      "counted_bytes": sum(budget_bytes(k.store, len(k.store)) for k in kernels),
-                      "tables": {p.name: k.store.counters for p, k in zip(params, kernels)}})
+                      "counted_bytes": sum(budget_bytes(k.store, len(k.store)) for k in tbes),
+                      "tables": {p.name: k.store.counters for p, k in zip(params, tbes)}})
     out = {"scope": args.scope, "budget_bytes": budget, "baseline_rss": baseline, "peak_rss": peak,
            "peak_rss_over_budget_ratio": (peak - baseline) / budget,
            "final_rss_over_budget_ratio": trace[-1]["rss_growth"] / budget,
@@ -117,7 +115,7 @@ def main() -> None:
            "seconds": time.perf_counter() - t0, "tables": trace[-1]["tables"],
            "trace": trace[:: max(1, args.steps // 200)]}
     if not rank_scope:
-        out["budget_rows"] = kernels[0].store.evictor.max_rows
+        out["budget_rows"] = tbes[0].store.evictor.max_rows
     out["targets"] = {"peak_rss_over_budget_ratio <= 1.10": out["peak_rss_over_budget_ratio"] <= 1.10}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))

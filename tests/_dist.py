@@ -156,7 +156,7 @@ def sharded(module, constraints=None, fused_params=None, batch_size=None):
     from torchrec.distributed.planner import Topology
     from torchrec.distributed.types import ShardingEnv
 
-    from torchrec_kvzch.sharding import KVZCHShardingPlanner, kvzch_sharders
+    from torchrec_kvzch.torchrec import KVZCHShardingPlanner, kvzch_sharders
 
     world = dist.get_world_size()
     sharders = kvzch_sharders(fused_params)

@@ -23,10 +23,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from _dist import run_ranks, sharded
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.checkpoint.integrity import checksum, read_saved
-from torchrec_kvzch.checkpoint.planner import KVZCHLoadPlanner, KVZCHSavePlanner
+from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
+from torchrec_kvzch.checkpoint.save_planner import KVZCHSavePlanner
 from torchrec_kvzch.checkpoint.staging import KVZCHAsyncStager
-from torchrec_kvzch.checkpoint.state_dict import kv_view
-from torchrec_kvzch.sharding import KVZCHConstraints, kvzch_embedding_bag_config, kvzch_tables
+from torchrec_kvzch.torchrec.state_dict import kv_view
+from torchrec_kvzch.torchrec import KVZCHConstraints, kvzch_embedding_bag_config, kvzch_tables
 
 BUCKETS = 12  # uneven on 5 and 7 ranks, even on 1, 2, 3
 
@@ -58,10 +59,10 @@ def batch(seed, n=16, names=("user", "item")):
 def all_rows(model, whole=True):
     """{(table, id): whole row (or weight + optimizer state)} over all ranks, as raw bits."""
     mine = {}
-    for name, kernel in kvzch_tables(model):
-        ids = kernel.store.sorted_ids()
-        rows = (kernel.store.read_ids(ids, "row") if whole else
-                torch.cat([kernel.store.read_ids(ids, "weight"), kernel.store.read_ids(ids, "optimizer")], 1))
+    for name, tbe in kvzch_tables(model):
+        ids = torch.sort(tbe.store.keys()).values
+        rows = (tbe.store.read_ids(ids, "row") if whole else
+                torch.cat([tbe.store.read_ids(ids, "weight"), tbe.store.read_ids(ids, "optimizer")], 1))
         mine.update(((name, i), r.view(torch.int32)) for i, r in zip(ids.tolist(), rows))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -75,14 +76,14 @@ def check_optimizer_entries(state, read_only):
         entry = state["optim"]["state"][f"embedding_bags.{name}.weight"][f"{name}.momentum1"]
         view = kv_view(entry)
         assert view is not None and view.read_only == read_only and view.part.value == "optimizer"
-        rows = torch.tensor([kernel.store.sorted_ids().numel() for n, kernel in kvzch_tables_of(state) if n == name])
+        rows = torch.tensor([torch.sort(tbe.store.keys()).values.numel() for n, tbe in kvzch_tables_of(state) if n == name])
         total = torch.tensor(entry.size(0))
         dist.all_reduce(rows)
         assert int(rows.sum()) == int(total) == state["model"][f"embedding_bags.{name}.weight"].size(0)
 
 
 def kvzch_tables_of(state):
-    """(name, kernel) of the tables behind a state dict's KV-ZCH entries."""
+    """(name, tbe) of the tables behind a state dict's KV-ZCH entries."""
     for key, entry in state["model"].items():
         view = kv_view(entry)
         if view is not None and key.endswith(".weight"):
@@ -159,9 +160,9 @@ def load_and_compare(rank, world_size, path, chunk, expected_rows, probes, whole
     for key, row in rows.items():
         assert torch.equal(row, expected_rows[key]), key  # whole rows: header, weight, optimizer
     # Each rank holds exactly the rows of its buckets.
-    for _, kernel in kvzch_tables(model):
-        r = kernel.store.bucket_range
-        ids = kernel.store.sorted_ids()
+    for _, tbe in kvzch_tables(model):
+        r = tbe.store.bucket_range
+        ids = torch.sort(tbe.store.keys()).values
         assert ((ids >= r.id_start) & (ids < r.id_end)).all()
     return model(batch(999)).wait().values().detach() if world_size == len(probes) else None
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torchrec_kvzch import KVZCHTableParams, RowStore
 from torchrec_kvzch.checkpoint.files import SavedFiles
 from torchrec_kvzch.checkpoint.integrity import ALGORITHMS, checksum, read_saved
-from torchrec_kvzch.store.layout import RowPart, make_meta
+from torchrec_kvzch.table.layout import RowPart, make_meta
 
 
 def bits(rows: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def whole_rows(store, n, gen, used_every=0):
     return layout.pack(ids, meta, weights, optimizer)
 
 
-OPTIMIZERS = ["exact_rowwise_adagrad", "exact_sgd", "adam"]
+OPTIMIZERS = ["exact_rowwise_adagrad", "exact_sgd"]
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
@@ -53,7 +53,7 @@ def test_native_row_scatter_matches_the_torch_twin(optimizer, dtype, n, dim, see
     p = params(dim, optimizer, dtype)
     gen = torch.Generator().manual_seed(seed)
     native, twin = RowStore(p, backend="native"), RowStore(p, backend="torch")
-    assert native._native and not twin._native
+    assert native.native and not twin.native
     layout = native.layout
     rows = whole_rows(native, n, gen, unused)
     newer = rows[: n // 2].clone()  # same headers, new weights and optimizer state
@@ -61,8 +61,8 @@ def test_native_row_scatter_matches_the_torch_twin(optimizer, dtype, n, dim, see
     for store in (native, twin):
         assert store.write_rows(rows) == n - (len(range(0, n, unused)) if unused else 0)
         store.write_rows(newer)
-    ids = native.sorted_ids()
-    assert torch.equal(ids, twin.sorted_ids())
+    ids = torch.sort(native.keys()).values
+    assert torch.equal(ids, torch.sort(twin.keys()).values)
     for part in (RowPart.ROW, RowPart.WEIGHT, RowPart.OPTIMIZER, RowPart.META):
         assert same(native.read_ids(ids, part), twin.read_ids(ids, part)), part
 
@@ -83,7 +83,7 @@ def test_native_row_gather_into_a_buffer_matches_the_torch_pack(optimizer, dtype
     store = RowStore(p, backend="native")
     store.write_rows(whole_rows(store, n, gen))
     slots = torch.randint(0, len(store), (2 * n,), generator=gen)  # repeats, any order
-    want = store.layout.pack(store.map.slot_keys[slots], store.meta[slots], store.weights[slots],
+    want = store.layout.pack(store.keys()[slots], store.meta[slots], store.weights[slots],
                              store.optimizer[slots])
     for part in RowPart:
         fresh = store.read(slots, part)

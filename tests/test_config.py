@@ -1,16 +1,15 @@
 """Sharding configs: the shipped ones load and plan; bad ones fail naming file, key and fix."""
 
-from pathlib import Path
 
 import pytest
 import torch
 from torchrec.distributed.planner import Topology
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from torchrec_kvzch.config import ConfigError, load_config
-from torchrec_kvzch.sharding import KVZCH_KERNEL, KVZCHParameterSharding
+from torchrec_kvzch.torchrec.config import ConfigError, load_config
+from torchrec_kvzch.torchrec import KVZCH_KERNEL, KVZCHParameterSharding
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+from torchrec_kvzch.job import SHIPPED_CONFIGS as CONFIGS
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
@@ -39,9 +38,9 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
 @pytest.mark.parametrize("text, fragment", [
     ("tables: []\n", "tables: expected a non-empty list of tables"),
     ("optimiser: {}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
-     "optimiser: unknown key; allowed: description, optimizer, rank_budget, tables"),
+     "optimiser: unknown key; allowed: description, optimizer, rank_budget, table_defaults, tables"),
     ("optimizer: {type: lamb}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
-     "optimizer.type: 'lamb' is not supported; use one of exact_rowwise_adagrad, exact_sgd, adam"),
+     "optimizer.type: 'lamb' is not supported; use one of exact_rowwise_adagrad, exact_sgd"),
     ("tables:\n" + GOOD_TABLE, "tables[0] (t): missing required key 'num_embeddings' (or a 'kvzch' block)"),
     ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    pooling: max\n",
      "tables[0] (t).pooling: 'max' is not allowed; use one of sum, mean"),
@@ -52,7 +51,7 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
     ("tables:\n" + GOOD_TABLE + "    kvzch: {num_embeddings: 2^20, total_num_buckets: 16, backend_return_whole_row: true}\n",
      "tables[0] (t).kvzch: KV-ZCH table 't': backend_return_whole_row is only valid with enable_optimizer_offloading"),
     ("tables:\n" + GOOD_TABLE + "    kvzch: {num_embeddings: 2^20, total_num_buckets: 16, bucket_count: 3}\n",
-     "tables[0] (t).kvzch.bucket_count: unknown key; allowed: backend_return_whole_row, betas, checkpoint_chunk_rows"),
+     "tables[0] (t).kvzch.bucket_count: unknown key; allowed: backend_return_whole_row, checkpoint_chunk_rows"),
     ("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, eviction: {kind: lru, rows: 5}}\n",
      "tables[0] (t).kvzch.eviction.rows: unknown key; allowed: count_decay, count_threshold, free_memory_bytes, interval_steps, kind, l2_threshold, max_bytes, max_rows, trigger, trigger_bytes, trigger_rows, ttl_minutes, ttl_steps"),
     ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    planner: {sharding_types: [diagonal]}\n",
@@ -72,6 +71,15 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
      "rank_budget.bytes: unknown key; allowed: max_bytes, max_rows, order"),
     ("rank_budget: {max_rows: 5}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
      "rank_budget: no table is KV-ZCH (has a 'kvzch' block); remove rank_budget"),
+    ("table_defaults: {colour: red}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
+     "table_defaults.colour: unknown key"),
+    ("table_defaults: {kvzch: {total_num_buckets: 16}}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
+     "tables[0] (t).num_embeddings: a KV-ZCH table sets num_embeddings inside 'kvzch' (for an ordinary "
+     "table under a table_defaults kvzch block, set kvzch: false)"),
+    ("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, expected_rows: many}\n",
+     "tables[0] (t).kvzch.expected_rows: expected an integer (or 'a^b'), got 'many'"),
+    ("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, optimizer: adam}\n",
+     "tables[0] (t).kvzch.optimizer: 'adam' is not supported (fbgemm has no CPU Adam"),
 ])
 def test_bad_configs_name_file_key_and_fix(tmp_path, text, fragment):
     path = tmp_path / "bad.yaml"
@@ -85,3 +93,22 @@ def test_bad_configs_name_file_key_and_fix(tmp_path, text, fragment):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="no such sharding config"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_table_defaults_fill_every_table_and_kvzch_false_makes_an_ordinary_one(tmp_path):
+    path = tmp_path / "defaults.yaml"
+    path.write_text(
+        "table_defaults:\n"
+        "  embedding_dim: 16\n"
+        "  kvzch: {num_embeddings: 2^20, total_num_buckets: 16, expected_rows: 100,\n"
+        "          eviction: {kind: lru, max_rows: 2^10}}\n"
+        "tables:\n"
+        "  - {name: a, features: [fa]}\n"
+        "  - {name: b, features: [fb], embedding_dim: 8, kvzch: {expected_rows: 7, init_range: [-0.5, 0.5]}}\n"
+        "  - {name: c, features: [fc], num_embeddings: 10, kvzch: false}\n")
+    a, b, c = load_config(path).tables
+    assert (a.embedding_dim, a.kvzch.expected_rows, a.kvzch.num_embeddings) == (16, 100, 2**20)
+    assert a.kvzch.eviction.max_rows == 1024  # integer fields take a^b, as the dataclass types say
+    assert (b.embedding_dim, b.kvzch.expected_rows, b.kvzch.total_num_buckets) == (8, 7, 16)
+    assert b.kvzch.init_range == (-0.5, 0.5)  # tuple fields take YAML lists
+    assert c.kvzch is None and (c.embedding_dim, c.num_embeddings) == (16, 10)

@@ -1,6 +1,6 @@
-"""The CUDA path against the CPU path: the kernel, DMP on a CUDA rank, checkpoints between them.
+"""The CUDA path against the CPU path: TableTBE, DMP on a CUDA rank, checkpoints between them.
 
-Skipped without a CUDA device; run them on a GPU machine (README, "GPUs"). One GPU suffices:
+Skipped without a CUDA device; run them on a GPU machine (docs/gpu.md). One GPU suffices:
 the CUDA side runs on one NCCL rank, the CPU side of a checkpoint test on two gloo ranks.
 """
 
@@ -16,8 +16,8 @@ from test_resume import build, snapshot, state_of, train_step
 from test_sharding import BASE, random_cases, sweep
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
-from torchrec_kvzch.kernel import KVZCHTableKernel
-from torchrec_kvzch.store.layout import RowPart
+from torchrec_kvzch.table.tbe import TableTBE
+from torchrec_kvzch.table.layout import RowPart
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -35,8 +35,8 @@ def test_kernel_on_cuda_trains_like_the_kernel_on_cpu(optimizer, pooling, dtype)
     p = KVZCHTableParams("t", 16, num_embeddings=2**62, total_num_buckets=64, optimizer=optimizer,
                          weight_dtype=dtype, stochastic_rounding=False, learning_rate=0.05,
                          init_range=(-0.5, 0.5))
-    ours = KVZCHTableKernel(p, p.bucket_range(0, 1), num_features=2, pooling=pooling, device=CUDA)
-    ref = KVZCHTableKernel(p, p.bucket_range(0, 1), num_features=2, pooling=pooling)
+    ours = TableTBE(p, p.bucket_range(0, 1), num_features=2, pooling=pooling, device=CUDA)
+    ref = TableTBE(p, p.bucket_range(0, 1), num_features=2, pooling=pooling)
     universe = torch.randint(0, 2**62, (3000,), generator=gen).unique()
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == "fp32" else dict(rtol=1e-2, atol=2e-3)
     for _ in range(6):
@@ -49,8 +49,8 @@ def test_kernel_on_cuda_trains_like_the_kernel_on_cpu(optimizer, pooling, dtype)
         out.backward(grad.to(CUDA))
         want.backward(grad)
     assert ours.store.capacity > 1024 and ours.store.weights.device.type == CUDA.type
-    seen = ref.store.sorted_ids()
-    assert torch.equal(ours.store.sorted_ids().cpu(), seen)
+    seen = torch.sort(ref.store.keys()).values
+    assert torch.equal(torch.sort(ours.store.keys()).values.cpu(), seen)
     parts = [RowPart.WEIGHT] + ([RowPart.OPTIMIZER] if optimizer != "exact_sgd" else [])
     for part in parts:
         torch.testing.assert_close(ours.store.read_ids(seen.to(CUDA), part).cpu(),

@@ -24,8 +24,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.params import EvictionPolicy
-from torchrec_kvzch.sharding import KVZCH_KERNEL, KVZCHParameterSharding, kvzch_sharders, table_params
-from torchrec_kvzch.sharding.planner import KVZCHConstraints, KVZCHShardingPlanner
+from torchrec_kvzch.torchrec import KVZCH_KERNEL, KVZCHParameterSharding, kvzch_sharders, table_params
+from torchrec_kvzch.torchrec.planner import KVZCHConstraints, KVZCHShardingPlanner
 
 ROWS, BUCKETS = 2**20, 8
 MEMORY = KeyValueParams(l2_cache_size=4)  # TorchRec's default trigger: past 4 GB
@@ -246,13 +246,13 @@ def _batch(rank, step, keys, weights=None):
 
 
 def _rows(dmp, name):
-    from torchrec_kvzch.sharding.tables import kvzch_tables
+    from torchrec_kvzch.torchrec.tables import kvzch_tables
 
-    kernel = dict(kvzch_tables(dmp))[name]
-    store = kernel.store
-    ids = store.map.keys()[: len(store)].clone()
+    tbe = dict(kvzch_tables(dmp))[name]
+    store = tbe.store
+    ids = store.keys().clone()
     order = torch.argsort(ids)
-    return kernel, ids[order], store.weights[: len(store)][order].clone()
+    return tbe, ids[order], store.weights[: len(store)][order].clone()
 
 
 def train_declared(rank, world, policy_name):
@@ -274,13 +274,13 @@ def train_declared(rank, world, policy_name):
         dmp(_batch(rank, step, ["f_user"]), _batch(rank, step, ["f_seq"])).backward()
     results = {}
     for name in ("user", "seq"):
-        kernel, ids, weights = _rows(dmp, name)
-        params = kernel.params
+        tbe, ids, weights = _rows(dmp, name)
+        params = tbe.params
         results[name] = dict(
             eviction=params.eviction.kind.value, optimizer=params.optimizer.value, lr=params.learning_rate,
             init=params.init_range, whole=params.backend_return_whole_row, dtype=weights.dtype,
-            evicted=int(kernel.store.evicted_per_bucket.sum()), dim=weights.shape[1],
-            fresh=kernel.store.peek(kernel.store.bucket_range.id_start + 1 + torch.arange(1000)).abs().max().item())
+            evicted=tbe.store.evicted, dim=weights.shape[1],
+            fresh=tbe.store.peek(tbe.store.bucket_range.id_start + 1 + torch.arange(1000)).abs().max().item())
     return results
 
 
@@ -320,7 +320,7 @@ def train_twins(rank, world):
     native = KVZCHTableParams("user", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS, weight_dtype="fp16",
                               init_range=(-0.5, 0.5), enable_optimizer_offloading=True,
                               backend_return_whole_row=True)
-    from torchrec_kvzch.sharding import kvzch_embedding_bag_config
+    from torchrec_kvzch.torchrec import kvzch_embedding_bag_config
 
     fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
     a = _dmp(rank, world, [upstream], {}, fused)

@@ -9,10 +9,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, RankBudget, RowStore, SharedBudget
-from torchrec_kvzch.kernel import KVZCHTableKernel
-from torchrec_kvzch.store.eviction import budget_rows
-from torchrec_kvzch.store.initializer import uniform_by_id_torch
-from torchrec_kvzch.store.layout import meta_count, meta_timestamp
+from torchrec_kvzch.job import config_path
+from torchrec_kvzch.table.tbe import TableTBE
+from torchrec_kvzch.table.eviction import budget_rows
+from torchrec_kvzch.table.initializer import uniform_by_id_torch
+from torchrec_kvzch.table.snapshot import RowSnapshot
+from torchrec_kvzch.table.layout import meta_count, meta_timestamp
 
 COUNT_MAX = (1 << 31) - 1
 
@@ -78,7 +80,7 @@ class Model:
 
 
 def store_rows(store):
-    ids = store.sorted_ids()
+    ids = torch.sort(store.keys()).values
     meta = store.meta[store.find(ids)]
     return {i: [t, c] for i, t, c in zip(ids.tolist(), meta_timestamp(meta).tolist(), meta_count(meta).tolist())}
 
@@ -118,24 +120,21 @@ def test_store_agrees_with_a_plain_model_of_the_policy(kind, data):
         st.tuples(st.just("pass"), st.none()),
         st.tuples(st.just("release"), st.none())), max_size=30))
     for op, arg in ops:
-        if op == "batch":  # what the kernel does in a forward
-            store.clock += 1
-            store.evictor.before_insert(torch.tensor(arg, dtype=torch.long))
-            store.find_or_insert(torch.tensor(arg, dtype=torch.long))
+        if op == "batch":  # a training forward's lookup
+            store.lookup_for_update(torch.tensor(arg, dtype=torch.long))
             model.forward(arg)
             if model.max_rows is not None:
                 assert len(store) <= max(model.max_rows, len(set(arg)))  # past it by one batch at most
         elif op == "idle":
             for _ in range(arg):
-                store.clock += 1
-                store.evictor.before_insert(torch.empty(0, dtype=torch.long))
+                store.lookup_for_update(torch.empty(0, dtype=torch.long))
                 model.forward([])
         elif op == "pass":  # asked for between steps (the manual trigger's only pass)
             store.evictor.run_pass()
             if model.kind in ("ttl", "lfu"):
                 model.drop(model.run_pass())
         elif op == "freeze" and snapshot is None:  # eviction goes on as if nothing were frozen
-            snapshot = store.snapshot()
+            snapshot = RowSnapshot(store)
             snapshot.freeze()
             at_freeze = snapshot.read(0, len(snapshot), "row").clone()
         elif op == "release" and snapshot is not None:
@@ -208,8 +207,7 @@ def test_rank_budget_agrees_with_a_plain_model(data):
                                          EvictionPolicy("ttl", ttl_steps=3)]))
         params = KVZCHTableParams(f"t{t}", data.draw(st.sampled_from([4, 16, 64])), num_embeddings=2**20,
                                   total_num_buckets=16, eviction=own)
-        stores.append(RowStore(params, backend=data.draw(st.sampled_from(["native", "torch"]))))
-        shared.attach(stores[-1])
+        stores.append(RowStore(params, backend=data.draw(st.sampled_from(["native", "torch"])), budget=shared))
         models.append(Model(params.eviction, stores[-1].evictor.max_rows))
     model = RankModel(budget, models, [s.layout for s in stores])
     # A training step, as under DMP: every table's forward in turn (its clock advances even for an
@@ -220,15 +218,13 @@ def test_rank_budget_agrees_with_a_plain_model(data):
         new_this_step = 0
         for j, ids in enumerate(step):
             store = stores[j]
-            store.clock += 1
-            store.evictor.before_insert(torch.tensor(ids, dtype=torch.long))
-            store.in_flight = store.find_or_insert(torch.tensor(ids, dtype=torch.long))
+            store.expect_update(store.lookup_for_update(torch.tensor(ids, dtype=torch.long)))
             model.forward(j, ids)
             if budget.max_rows is not None:  # past it by at most the rows this step added
                 assert shared.usage()["rows"] <= budget.max_rows + new_this_step + len(set(ids))
             new_this_step += len(set(ids))
         for store in stores:
-            store.in_flight = None
+            store.update_started()
         model.busy.clear()
         for store, m in zip(stores, models):
             assert store_rows(store) == m.rows
@@ -237,28 +233,25 @@ def test_rank_budget_agrees_with_a_plain_model(data):
 
 def test_rank_budget_takes_ties_by_table_then_id_and_defers_pending_tables():
     shared = SharedBudget(RankBudget(max_rows=4))
-    a, b = (RowStore(KVZCHTableParams(name, 4, num_embeddings=2**20, total_num_buckets=16)) for name in "ab")
-    for store in (a, b):
-        shared.attach(store)
+    a, b = (RowStore(KVZCHTableParams(name, 4, num_embeddings=2**20, total_num_buckets=16), budget=shared)
+            for name in "ab")
 
     def forward(store, ids):
-        ids = torch.tensor(ids, dtype=torch.long)
-        store.evictor.before_insert(ids)
-        store.in_flight = store.find_or_insert(ids)
+        store.expect_update(store.lookup_for_update(torch.tensor(ids, dtype=torch.long)))
 
     def step(batch_a, batch_b):
-        a.clock, b.clock = a.clock + 1, b.clock + 1
         forward(a, batch_a)
         forward(b, batch_b)
-        a.in_flight = b.in_flight = None
+        a.update_started()
+        b.update_started()
 
     step([10, 11], [1, 2])  # 4 rows, all last touched at step 1
     step([20], [])  # one must go: of the tied oldest rows, table a's (the first attached), lowest id
-    assert a.sorted_ids().tolist() == [11, 20] and b.sorted_ids().tolist() == [1, 2]
+    assert torch.sort(a.keys()).values.tolist() == [11, 20] and torch.sort(b.keys()).values.tolist() == [1, 2]
     step([], [3])  # a's 11 is chosen, but a's update is pending: it stays, the rank is over by 1
-    assert a.sorted_ids().tolist() == [11, 20] and b.sorted_ids().tolist() == [1, 2, 3]
+    assert torch.sort(a.keys()).values.tolist() == [11, 20] and torch.sort(b.keys()).values.tolist() == [1, 2, 3]
     step([], [])  # a's next forward finds the rank over and evicts 11 then
-    assert a.sorted_ids().tolist() == [20] and b.sorted_ids().tolist() == [1, 2, 3]
+    assert torch.sort(a.keys()).values.tolist() == [20] and torch.sort(b.keys()).values.tolist() == [1, 2, 3]
     assert (a.counters["evicted"], b.counters["evicted"]) == (2, 0)
 
 
@@ -268,10 +261,11 @@ def test_rank_budget_validation_and_one_budget_per_store():
                              ({"max_bytes": 2**20, "order": "ttl"}, "order 'ttl' is unknown")]:
         with pytest.raises(ValueError, match=fragment):
             RankBudget(**kwargs)
-    store = RowStore(KVZCHTableParams("t", 4, num_embeddings=2**20, total_num_buckets=16))
-    SharedBudget(RankBudget(max_rows=10)).attach(store)
-    with pytest.raises(ValueError, match="table 't': this store is already under another rank budget"):
-        SharedBudget(RankBudget(max_rows=10)).attach(store)
+    shared = SharedBudget(RankBudget(max_rows=10))
+    store = RowStore(KVZCHTableParams("t", 4, num_embeddings=2**20, total_num_buckets=16), budget=shared)
+    assert shared.stores == [store] and store.evictor.shared is shared
+    with pytest.raises(ValueError, match="table 't': this store is already under a rank budget"):
+        shared._register(store, store.evictor)
 
 
 def test_byte_budget_is_the_most_rows_that_fit_and_is_reserved_up_front():
@@ -289,28 +283,27 @@ def test_byte_budget_is_the_most_rows_that_fit_and_is_reserved_up_front():
 def test_kernel_trains_under_a_budget_and_evicted_ids_come_back_fresh():
     params = KVZCHTableParams("t", 8, num_embeddings=2**30, total_num_buckets=16, learning_rate=0.5,
                               eviction=EvictionPolicy("lru", max_rows=500))
-    kernel = KVZCHTableKernel(params, params.bucket_range(0, 1))
+    tbe = TableTBE(params, params.bucket_range(0, 1))
     gen = torch.Generator().manual_seed(0)
     first = torch.randint(0, 2**30, (64,), generator=gen)
     for step in range(30):
         ids = first if step == 0 else torch.randint(0, 2**30, (64,), generator=gen)
-        out = kernel(ids, torch.arange(0, 65, 4))
+        out = tbe(ids, torch.arange(0, 65, 4))
         out.sum().backward()
-        assert len(kernel.store) <= 500 + 64
-    assert kernel.store.counters["evicted"] > 1000
-    assert (kernel.store.find(first) == -1).all()  # the oldest rows are gone from lookups
+        assert len(tbe.store) <= 500 + 64
+    assert tbe.store.counters["evicted"] > 1000
+    assert (tbe.store.find(first) == -1).all()  # the oldest rows are gone from lookups
     # Seen again, an evicted id gets a new id-seeded row (not zeros, not its old trained row).
-    out = kernel(first[:4], torch.tensor([0, 4]))
+    out = tbe(first[:4], torch.tensor([0, 4]))
     expected = uniform_by_id_torch(first[:4], 8, *params.init_range, params.init_seed).sum(0)
     assert torch.allclose(out[0], expected)
 
 
 def test_eviction_is_configured_in_yaml():
-    from pathlib import Path
 
-    from torchrec_kvzch.config import load_config
+    from torchrec_kvzch.torchrec.config import load_config
 
-    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "eviction.yaml")
+    config = load_config(config_path("eviction"))
     user, item = config.kvzch_tables
     assert (user.eviction.kind.value, user.eviction.ttl_steps, user.eviction.interval_steps) == ("ttl", 50, 10)
     assert (item.eviction.kind.value, item.eviction.max_bytes) == ("lru", 2**23)
@@ -329,7 +322,7 @@ def _train_evict_save_load(rank, world_size, path):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from torchrec_kvzch.checkpoint.manager import CheckpointManager
-    from torchrec_kvzch.sharding import (KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config,
+    from torchrec_kvzch.torchrec import (KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config,
                                          kvzch_sharders, kvzch_tables)
 
     tables = [KVZCHTableParams("lru", 8, num_embeddings=2**36, total_num_buckets=8, learning_rate=0.1,
@@ -362,14 +355,14 @@ def _train_evict_save_load(rank, world_size, path):
         model(features).wait().values().sum().backward()
         most_rows = max(most_rows, sharders[0].shared_budget.usage()["rows"])
     evicted = {name: k.store.evicted for name, k in kvzch_tables(model)}
-    survivors = {name: k.store.read_ids(k.store.sorted_ids(), "row") for name, k in kvzch_tables(model)}
+    survivors = {name: k.store.read_ids(torch.sort(k.store.keys()).values, "row") for name, k in kvzch_tables(model)}
     state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
     CheckpointManager(path).save(state, step=12)
     fresh, _ = build()
     state = {"model": fresh.state_dict(), "optim": fresh.fused_optimizer.state_dict()}
     CheckpointManager(path).load(state)
     fresh.load_state_dict(state["model"])
-    loaded = {name: k.store.read_ids(k.store.sorted_ids(), "row") for name, k in kvzch_tables(fresh)}
+    loaded = {name: k.store.read_ids(torch.sort(k.store.keys()).values, "row") for name, k in kvzch_tables(fresh)}
     same = {n: torch.equal(loaded[n].view(torch.int32), survivors[n].view(torch.int32)) for n in loaded}
     return evicted, same, most_rows
 
@@ -393,18 +386,16 @@ def test_wall_clock_ttl_counts_minutes_from_an_injectable_clock():
 
     def step(ids, seconds):
         now[0] += seconds
-        store.clock += 1
-        store.evictor.before_insert(torch.tensor(ids, dtype=torch.long))
-        store.find_or_insert(torch.tensor(ids, dtype=torch.long))
+        store.lookup_for_update(torch.tensor(ids, dtype=torch.long))
 
     step([1, 2], 0)
     step([3], 60)    # t = 60 s
     step([2], 50)    # t = 110 s: nothing is 2 minutes old yet
-    assert sorted(store.sorted_ids().tolist()) == [1, 2, 3]
+    assert sorted(torch.sort(store.keys()).values.tolist()) == [1, 2, 3]
     step([4], 15)    # t = 125 s: id 1 (t = 0) is past 120 s, id 2 was touched at 110 s
-    assert sorted(store.sorted_ids().tolist()) == [2, 3, 4]
+    assert sorted(torch.sort(store.keys()).values.tolist()) == [2, 3, 4]
     step([], 100)    # t = 225 s: id 3 (t = 60) goes, id 2 (110) and 4 (125) stay
-    assert sorted(store.sorted_ids().tolist()) == [2, 4]
+    assert sorted(torch.sort(store.keys()).values.tolist()) == [2, 4]
     now[0] += 10_000
     assert store.evictor.run_pass() == 2 and len(store) == 0
 
@@ -418,7 +409,7 @@ def test_l2_rule_and_memory_triggers():
     norms = store.weights[store.find(ids)].norm(dim=1)
     store.clock += 1
     store.evictor.before_insert(torch.empty(0, dtype=torch.long))  # 100 rows > 50: a pass
-    assert torch.equal(store.sorted_ids(), ids[norms >= 1.0])
+    assert torch.equal(torch.sort(store.keys()).values, ids[norms >= 1.0])
 
     free = [10 << 30]
     byfree = RowStore(dataclasses.replace(params, eviction=EvictionPolicy(

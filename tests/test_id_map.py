@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from torchrec_kvzch.store import id_map
-from torchrec_kvzch.store.id_map import (
-    BUCKET, MAX_LOAD, MIN_CAPACITY, IdMap, IdOutOfRange, TorchKernels, home, native_status,
+from torchrec_kvzch.table import id_map, native
+from torchrec_kvzch.table.id_map import (
+    BUCKET, MAX_LOAD, MIN_CAPACITY, IdMap, IdOutOfRange, TorchBackend, home, native_status,
 )
 
 BACKENDS = ["native", "torch"]
@@ -64,9 +64,9 @@ def test_native_op_is_built():
 def test_an_x86_cpu_without_avx2_is_not_given_the_avx2_build(monkeypatch):
     """The op is compiled with -mavx2 on x86-64: on a CPU without AVX2 it is not loaded (it
     would fault), and the reason says so."""
-    monkeypatch.setattr(id_map.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: False)
-    ok, why = id_map._load_native()
+    ok, why = native._load_native()
     assert not ok and "AVX2" in why
 
 
@@ -137,7 +137,7 @@ def test_state_is_shared_between_backends():
     native.find_or_insert(ids)
     native.erase(ids[:1000])
     queries = torch.cat([ids, torch.randint(0, 2**50, (500,))])
-    twin, bad, misses = TorchKernels().lookup(native.table, queries, 0, 2**62)
+    twin, bad, misses = TorchBackend().lookup(native.table, queries, 0, 2**62)
     assert torch.equal(twin, native.find(queries)) and bad == -1 and misses == int((twin < 0).sum())
 
 
@@ -158,10 +158,10 @@ def test_the_torch_twin_finds_the_same_entries_whatever_its_window(seed, load, t
     erased = torch.rand(capacity, generator=gen) < tombs
     table[erased & (table[:, 0] >= 0), 0] = id_map.TOMB
     queries = torch.cat([ids, torch.randint(0, 2**62, (50,), generator=gen)])
-    want = TorchKernels(1).probe(table, queries)
+    want = TorchBackend(1).probe(table, queries)
     live = set(table[:, 0].tolist())
     assert [p >= 0 for p in want.tolist()] == [q in live for q in queries.tolist()]
-    assert torch.equal(TorchKernels(window).probe(table, queries), want)
+    assert torch.equal(TorchBackend(window).probe(table, queries), want)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -176,7 +176,7 @@ def test_native_lookup_parks_long_probes_and_finds_what_the_twin_finds(threads, 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 2**62, (int(load * capacity),), generator=gen).unique()
     table = torch.full((capacity, 2), id_map.EMPTY, dtype=torch.long)
-    TorchKernels._place(table, ids, torch.arange(ids.numel()))
+    TorchBackend._place(table, ids, torch.arange(ids.numel()))
     table[(torch.rand(capacity, generator=gen) < tombs) & (table[:, 0] >= 0), 0] = id_map.TOMB
     pool = torch.cat([ids, torch.randint(0, 2**62, (2000,), generator=gen)])
     queries = pool[torch.randint(0, pool.numel(), (20_000,), generator=gen)]
@@ -187,7 +187,7 @@ def test_native_lookup_parks_long_probes_and_finds_what_the_twin_finds(threads, 
         slots, bad, misses = torch.ops.kvzch.lookup(table, queries, 0, 2**62)
     finally:
         torch.set_num_threads(before)
-    want = TorchKernels(1).probe(table, queries)
+    want = TorchBackend(1).probe(table, queries)
     assert torch.equal(positions, want)
     found = want >= 0
     assert torch.equal(slots[found], table[want[found], 1]) and (slots[~found] == -1).all()
@@ -207,7 +207,7 @@ def test_native_inserts_on_crowded_tables_keep_first_appearance_order(first, thr
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 2**62, (int(load * capacity),), generator=gen).unique()
     table = torch.full((capacity, 2), id_map.EMPTY, dtype=torch.long)
-    TorchKernels._place(table, ids, torch.arange(ids.numel()))
+    TorchBackend._place(table, ids, torch.arange(ids.numel()))
     erased = (torch.rand(capacity, generator=gen) < tombs) & (table[:, 0] >= 0)
     absent = torch.cat([table[erased, 0], torch.randint(0, 2**62, (150,), generator=gen)])
     table[erased, 0] = id_map.TOMB
@@ -216,7 +216,7 @@ def test_native_inserts_on_crowded_tables_keep_first_appearance_order(first, thr
     batch = pool[torch.randint(0, pool.numel(), (20_000,), generator=gen)]
     size = ids.numel()
     twin_table, twin_keys = table.clone(), torch.full((size + batch.numel(),), -1)
-    want, _, want_size = TorchKernels().find_or_insert(twin_table, twin_keys, batch, 0, 2**62, size,
+    want, _, want_size = TorchBackend().find_or_insert(twin_table, twin_keys, batch, 0, 2**62, size,
                                                        True)
     keys = torch.full((size + batch.numel(),), -1)
     before = torch.get_num_threads()
@@ -228,7 +228,7 @@ def test_native_inserts_on_crowded_tables_keep_first_appearance_order(first, thr
         torch.set_num_threads(before)
     assert bad == -1 and new_size == want_size and torch.equal(slots, want)
     assert torch.equal(keys[size:new_size], twin_keys[size:new_size])
-    found, _, misses = TorchKernels().lookup(table, batch, 0, 2**62)
+    found, _, misses = TorchBackend().lookup(table, batch, 0, 2**62)
     assert torch.equal(found, want) and misses == 0
 
 
@@ -310,5 +310,5 @@ def test_native_slots_do_not_depend_on_threads(threads, first):
         torch.set_num_threads(before)
     # The table it built reads the same through the torch twin.
     every = torch.tensor(ref.keys + [2**41, 2**41 + 1])
-    twin, bad, misses = TorchKernels().lookup(m.table, every, 0, 2**62)
+    twin, bad, misses = TorchBackend().lookup(m.table, every, 0, 2**62)
     assert twin.tolist() == ref.find(every.tolist()) and bad == -1 and misses == 2

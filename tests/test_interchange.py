@@ -28,11 +28,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from _dist import RankPool, sharded
 from torchrec_kvzch import KVTensor, KVZCHTableParams, RowPart, RowStore
-from torchrec_kvzch.checkpoint.planner import (
-    PLANNER_DATA_KEY, CheckpointMappings, KVZCHLoadPlanner, KVZCHSavePlanner, saved_record)
-from torchrec_kvzch.checkpoint.state_dict import kv_view
-from torchrec_kvzch.sharding import KVZCHConstraints, kvzch_embedding_bag_config, kvzch_tables
-from torchrec_kvzch.store.layout import make_meta, meta_timestamp, meta_used
+from torchrec_kvzch import KVZCHLoadPlanner, KVZCHSavePlanner
+from torchrec_kvzch.checkpoint.record import PLANNER_DATA_KEY, CheckpointMappings, SavedTable, saved_record
+from torchrec_kvzch.torchrec.state_dict import kv_view
+from torchrec_kvzch.torchrec import KVZCHConstraints, kvzch_embedding_bag_config, kvzch_tables
+from torchrec_kvzch.table.snapshot import RowSnapshot
+from torchrec_kvzch.table.layout import make_meta, meta_timestamp, meta_used
 
 BUCKETS, BUCKET_SIZE = 6, 2**30
 NUM_EMBEDDINGS = BUCKETS * BUCKET_SIZE
@@ -65,9 +66,9 @@ def train(model, seed, steps=3, n=24):
 def all_rows(model):
     """{(table, id): whole row as raw int32 bits (header, weight, optimizer state)} over all ranks."""
     mine = {}
-    for name, kernel in kvzch_tables(model):
-        ids = kernel.store.sorted_ids()
-        mine.update(((name, i), r.view(torch.int32)) for i, r in zip(ids.tolist(), kernel.store.read_ids(ids, "row")))
+    for name, tbe in kvzch_tables(model):
+        ids = torch.sort(tbe.store.keys()).values
+        mine.update(((name, i), r.view(torch.int32)) for i, r in zip(ids.tolist(), tbe.store.read_ids(ids, "row")))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return {k: v for g in gathered for k, v in g.items()}
@@ -82,7 +83,7 @@ def state_of(model):
 
 
 def newest_stamp(store) -> int:
-    meta = store.read_ids(store.sorted_ids(), "meta").reshape(-1)
+    meta = store.read_ids(torch.sort(store.keys()).values, "meta").reshape(-1)
     stamps = meta_timestamp(meta[meta_used(meta)])
     return int(stamps.max()) if stamps.numel() else 0
 
@@ -176,8 +177,11 @@ def test_metadata_is_plain_data_and_old_records_still_load(pools, tmp_path):
     tables, files = saved_record(metadata.planner_data)
     mappings = {k: v for k, v in metadata.planner_data.items() if k != PLANNER_DATA_KEY}
     metadata.planner_data = CheckpointMappings(mappings, tables, files)
-    with open(os.path.join(old, ".metadata"), "wb") as f:
+    with open(os.path.join(old, ".metadata"), "wb") as f, pytest.MonkeyPatch.context() as mp:
+        for cls in (CheckpointMappings, SavedTable):  # pickled where the old versions had them
+            mp.setattr(cls, "__module__", "torchrec_kvzch.checkpoint.planner")
         pickle.dump(metadata, f)
+    assert b"torchrec_kvzch.checkpoint.planner" in open(os.path.join(old, ".metadata"), "rb").read()
     assert read_without_plugin(old).returncode != 0  # the old record needs the plugin
     assert same_rows(pools[2].run(load_ours, old)[0], saved)
 
@@ -206,18 +210,18 @@ def upstream_state(model, with_metadata=True):
     or [n, 1] (whole rows); no counters, clock or metaheader."""
     state = state_of(model)
     world = dist.get_world_size()
-    for name, kernel in kvzch_tables(model):
-        store, base = kernel.store, f"embedding_bags.{name}."
+    for name, tbe in kvzch_tables(model):
+        store, base = tbe.store, f"embedding_bags.{name}."
         for extra in ("counters", "clock", "metaheader"):
             state["model"].pop(base + extra, None)
-        ids = store.sorted_ids()
+        ids = torch.sort(store.keys()).values
         whole = store.params.backend_return_whole_row
         state["model"][base + "weight"] = one_shard_per_rank(store.read_ids(ids, "row" if whole else "weight"))
         state["model"][base + "weight_id"] = one_shard_per_rank(ids.unsqueeze(1))
         if with_metadata:
             state["model"][base + "metadata"] = one_shard_per_rank(store.read_ids(ids, "meta"))
         starts = [store.params.bucket_range(r, world).start for r in range(world)] + [BUCKETS]
-        state["model"][base + "bucket"] = one_shard_per_rank(store.bucket_counts().unsqueeze(1), starts)
+        state["model"][base + "bucket"] = one_shard_per_rank(RowSnapshot(store).bucket_counts().unsqueeze(1), starts)
         optimizer = store.read_ids(ids, "optimizer")
         state["optim"]["state"][base + "weight"][f"{name}.momentum1"] = one_shard_per_rank(
             optimizer if whole else optimizer.reshape(-1))
@@ -246,8 +250,8 @@ def load_upstream(rank, world, path, buckets=BUCKETS, dim=8):
     model.fused_optimizer.load_state_dict(state["optim"])
     history = {name: (k.store.clock, newest_stamp(k.store), k.store.inserted, k.store.evicted)
                for name, k in kvzch_tables(model)}
-    for _, kernel in kvzch_tables(model):  # each rank holds exactly the rows of its buckets
-        r, ids = kernel.store.bucket_range, kernel.store.sorted_ids()
+    for _, tbe in kvzch_tables(model):  # each rank holds exactly the rows of its buckets
+        r, ids = tbe.store.bucket_range, torch.sort(tbe.store.keys()).values
         assert ((ids >= r.id_start) & (ids < r.id_end)).all()
     return None, all_rows(model), None, history
 
@@ -358,7 +362,7 @@ def test_set_range_writes_ids_in_range_and_whole_rows_by_position():
     store.find_or_insert(torch.tensor([10, 20, 30]))
     weights = KVTensor(store, RowPart.WEIGHT)
     weights.set_range(0, 19, 3, torch.full((3, 4), 5.0))  # ids 19, 20, 21 (19 and 21 created)
-    assert sorted(store.map.keys().tolist()) == [10, 19, 20, 21, 30]
+    assert sorted(store.keys().tolist()) == [10, 19, 20, 21, 30]
     assert store.read_ids(torch.tensor([19, 20, 21])).eq(5.0).all()
     assert not store.read_ids(torch.tensor([10, 30])).eq(5.0).any()
     optimizer = KVTensor(store, RowPart.OPTIMIZER)
@@ -381,14 +385,14 @@ def test_set_range_writes_ids_in_range_and_whole_rows_by_position():
 
 # -- a dense table's weights (no ids) ------------------------------------------------------------
 def test_a_dense_weight_loads_row_by_id_only_when_it_covers_the_shard():
-    from torchrec_kvzch.checkpoint.state_dict import load_materialised
+    from torchrec_kvzch.torchrec.state_dict import load_materialised
 
     params = KVZCHTableParams("d", 4, num_embeddings=64, total_num_buckets=8, learning_rate=0.1,
                               init_range=(-0.5, 0.5))
     whole = RowStore(params)  # one rank: ids [0, 64)
     dense = torch.randn(64, 4)
     load_materialised(KVTensor(whole, RowPart.WEIGHT), {"weight": dense})
-    assert torch.equal(whole.sorted_ids(), torch.arange(64))
+    assert torch.equal(torch.sort(whole.keys()).values, torch.arange(64))
     assert torch.equal(whole.read_ids(torch.arange(64)), dense)
     assert int(whole.counters["inserted"]) == 0  # a load creates rows but counts no lookup
 
@@ -398,5 +402,5 @@ def test_a_dense_weight_loads_row_by_id_only_when_it_covers_the_shard():
     for weight in (dense, dense[:32], torch.randn(32, 8)):  # wrong ids, wrong ids, wrong width
         with pytest.raises(ValueError, match="KV-ZCH table 'd'"):
             load_materialised(KVTensor(half, RowPart.WEIGHT), {"weight": weight})
-        assert torch.equal(half.sorted_ids(), torch.tensor([40]))  # refused before any change
+        assert torch.equal(torch.sort(half.keys()).values, torch.tensor([40]))  # refused before any change
         assert torch.equal(half.read_ids(torch.tensor([40])), before)

@@ -10,22 +10,22 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from hypothesis import given, strategies as st
 
 from torchrec_kvzch import KVZCHTableParams
-from torchrec_kvzch.kernel import KVZCHTableKernel
-from torchrec_kvzch.store.layout import RowPart
+from torchrec_kvzch.table.tbe import TableTBE
+from torchrec_kvzch.table.layout import RowPart
 
 POOLINGS = [PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE]
 
 
-def dense_twin(kernel: KVZCHTableKernel, universe: torch.Tensor, pooling) -> SplitTableBatchedEmbeddingBagsCodegen:
+def dense_twin(tbe: TableTBE, universe: torch.Tensor, pooling) -> SplitTableBatchedEmbeddingBagsCodegen:
     """fbgemm TBE whose row r starts equal to the KV row of universe[r]."""
-    p = kernel.params
+    p = tbe.params
     twin = SplitTableBatchedEmbeddingBagsCodegen(
         [(universe.numel(), p.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        feature_table_map=[0] * kernel.num_features, optimizer=p.optimizer.to_fbgemm(),
+        feature_table_map=[0] * tbe.num_features, optimizer=p.optimizer.to_fbgemm(),
         learning_rate=p.learning_rate, eps=p.eps, pooling_mode=pooling)
-    kernel.store.find_or_insert(universe, touch=False)
+    tbe.store.find_or_insert(universe, touch=False)
     with torch.no_grad():
-        twin.weights_host.copy_(kernel.store.read_ids(universe).view(-1))
+        twin.weights_host.copy_(tbe.store.read_ids(universe).view(-1))
     return twin
 
 
@@ -45,25 +45,25 @@ def test_kernel_matches_fbgemm_tbe_over_training_steps(dim, features, batch, max
     gen = torch.Generator().manual_seed(seed)
     p = KVZCHTableParams("t", dim, num_embeddings=2**62, total_num_buckets=64, optimizer=optimizer,
                          learning_rate=0.05, init_range=(-0.5, 0.5))
-    kernel = KVZCHTableKernel(p, p.bucket_range(0, 1), num_features=features, pooling=pooling)
+    tbe = TableTBE(p, p.bucket_range(0, 1), num_features=features, pooling=pooling)
     # Ids far beyond 2^32; the twin sees their index in `universe` instead.
     universe = torch.randint(0, 2**62, (40,), generator=gen).unique()
-    twin = dense_twin(kernel, universe, pooling)
+    twin = dense_twin(tbe, universe, pooling)
     for _ in range(3):
         lengths = torch.randint(0, max_len + 1, (features * batch,), generator=gen)
         local = torch.randint(0, universe.numel(), (int(lengths.sum()),), generator=gen)
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
         psw = torch.rand(local.numel(), generator=gen) if weighted else None
-        out = kernel(universe[local], offsets, psw)
+        out = tbe(universe[local], offsets, psw)
         want = twin(local, offsets, psw)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         grad = torch.randn(out.shape, generator=gen)
         out.backward(grad)
         want.backward(grad)
     rows = twin.weights_host.view(universe.numel(), dim)
-    torch.testing.assert_close(kernel.store.read_ids(universe), rows, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tbe.store.read_ids(universe), rows, rtol=1e-5, atol=1e-5)
     if optimizer == "exact_rowwise_adagrad":
-        torch.testing.assert_close(kernel.store.read_ids(universe, RowPart.OPTIMIZER).view(-1),
+        torch.testing.assert_close(tbe.store.read_ids(universe, RowPart.OPTIMIZER).view(-1),
                                    twin.momentum1_host, rtol=1e-5, atol=1e-5)
 
 
@@ -76,24 +76,24 @@ def test_fp16_rows_round_as_declared():
     def trained(stochastic):
         p = KVZCHTableParams("h", 8, num_embeddings=2**20, total_num_buckets=8, weight_dtype="fp16",
                              learning_rate=0.01, init_range=(-0.5, 0.5), stochastic_rounding=stochastic)
-        kernel = KVZCHTableKernel(p, p.bucket_range(0, 1))
+        tbe = TableTBE(p, p.bucket_range(0, 1))
         universe = torch.arange(0, 2**20, 2**14)
         twin = SplitTableBatchedEmbeddingBagsCodegen(
             [(universe.numel(), 8, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=p.optimizer.to_fbgemm(),
             learning_rate=p.learning_rate, eps=p.eps, weights_precision=SparseType.FP16,
             stochastic_rounding=False)
-        kernel.store.find_or_insert(universe, touch=False)
+        tbe.store.find_or_insert(universe, touch=False)
         with torch.no_grad():
-            twin.weights_host.copy_(kernel.store.read_ids(universe).view(-1))
+            twin.weights_host.copy_(tbe.store.read_ids(universe).view(-1))
         gen = torch.Generator().manual_seed(0)
         for _ in range(5):
             local = torch.randint(0, universe.numel(), (64,), generator=gen)
             offsets = torch.arange(0, 65, 4)
             grad = torch.randn(16, 8, generator=gen)
-            kernel(universe[local], offsets).backward(grad)
+            tbe(universe[local], offsets).backward(grad)
             twin(local, offsets).backward(grad)
-        mine = kernel.store.read_ids(universe).view(torch.int16)
-        assert kernel.tbe.optimizer_args.stochastic_rounding is stochastic
+        mine = tbe.store.read_ids(universe).view(torch.int16)
+        assert tbe.tbe.optimizer_args.stochastic_rounding is stochastic
         return torch.equal(mine, twin.weights_host.view(universe.numel(), 8).view(torch.int16))
 
     assert trained(stochastic=False) and trained(stochastic=True)
@@ -102,42 +102,36 @@ def test_fp16_rows_round_as_declared():
 def test_growth_during_training_keeps_updates():
     """Rows created over many steps force several reallocations; updates must survive each."""
     p = KVZCHTableParams("g", 4, num_embeddings=2**40, total_num_buckets=8, learning_rate=0.1)
-    kernel = KVZCHTableKernel(p, p.bucket_range(0, 1))
+    tbe = TableTBE(p, p.bucket_range(0, 1))
     gen = torch.Generator().manual_seed(0)
     seen = torch.empty(0, dtype=torch.long)
     for _ in range(12):
         ids = torch.randint(0, 2**40, (700,), generator=gen)
         offsets = torch.arange(0, 701, 7)
-        kernel(ids, offsets).sum().backward()
+        tbe(ids, offsets).sum().backward()
         seen = torch.cat([seen, ids])
-    assert len(kernel.store) == seen.unique().numel() and kernel.store.capacity > 1024
-    accumulators = kernel.store.read_ids(seen.unique(), RowPart.OPTIMIZER)
+    assert len(tbe.store) == seen.unique().numel() and tbe.store.capacity > 1024
+    accumulators = tbe.store.read_ids(seen.unique(), RowPart.OPTIMIZER)
     assert (accumulators > 0).all()  # every row received its fused update
 
 
 def test_second_forward_that_would_grow_before_backward_is_refused():
     p = KVZCHTableParams("h", 4, num_embeddings=2**40, total_num_buckets=8)
-    kernel = KVZCHTableKernel(p, p.bucket_range(0, 1))
-    first = kernel(torch.arange(10), torch.tensor([0, 5, 10]))
+    tbe = TableTBE(p, p.bucket_range(0, 1))
+    first = tbe(torch.arange(10), torch.tensor([0, 5, 10]))
     with pytest.raises(RuntimeError, match="a second forward before the backward"):
-        kernel(torch.arange(10, 5000), torch.tensor([0, 4990]))
-    assert len(kernel.store) == 10  # refused before any change
+        tbe(torch.arange(10, 5000), torch.tensor([0, 4990]))
+    assert len(tbe.store) == 10  # refused before any change
     first.sum().backward()
-    kernel(torch.arange(10, 5000), torch.tensor([0, 4990])).sum().backward()  # fine now
+    tbe(torch.arange(10, 5000), torch.tensor([0, 4990])).sum().backward()  # fine now
     with torch.no_grad():  # evaluation never holds a pending update
-        kernel(torch.arange(10**6, 10**6 + 3000), torch.tensor([0, 3000]))
+        tbe(torch.arange(10**6, 10**6 + 3000), torch.tensor([0, 3000]))
 
 
 def test_dims_fbgemm_cannot_run_are_refused_with_a_clear_error():
     p = KVZCHTableParams("d", 6, num_embeddings=2**40, total_num_buckets=8)
     with pytest.raises(ValueError, match="embedding_dim 6 is not a multiple of 4"):
-        KVZCHTableKernel(p, p.bucket_range(0, 1))
-
-
-def test_adam_is_refused_with_a_clear_error():
-    p = KVZCHTableParams("a", 4, num_embeddings=2**40, total_num_buckets=8, optimizer="adam")
-    with pytest.raises(ValueError, match="supports exact_rowwise_adagrad and exact_sgd, not ADAM"):
-        KVZCHTableKernel(p, p.bucket_range(0, 1))
+        TableTBE(p, p.bucket_range(0, 1))
 
 
 @given(pooling=st.sampled_from(POOLINGS), weighted=st.booleans(), mode=st.sampled_from(["no_grad", "eval"]),
@@ -148,32 +142,32 @@ def test_evaluation_changes_nothing_and_reads_what_training_would(pooling, weigh
     leaves the clock and counters; its output equals a training forward's, unseen ids reading
     as the id-seeded rows they would get (even with no id at all)."""
     params = KVZCHTableParams("t", 8, learning_rate=0.1, optimizer="exact_sgd")
-    kernel = KVZCHTableKernel(params, params.bucket_range(0, 1), pooling=pooling)
-    kernel(torch.tensor(known), torch.tensor([0, len(known)])).sum().backward()  # some rows, trained
+    tbe = TableTBE(params, params.bucket_range(0, 1), pooling=pooling)
+    tbe(torch.tensor(known), torch.tensor([0, len(known)])).sum().backward()  # some rows, trained
     ids = torch.tensor(known + fresh, dtype=torch.long)
     offsets = torch.tensor([0, len(known), ids.numel()])
     weights = torch.rand(ids.numel()) if weighted and pooling is not PoolingMode.NONE else None
-    store = kernel.store
+    store = tbe.store
     def bits():  # whole rows as raw bits (a header's id can read as a float NaN)
-        return store.read_ids(store.sorted_ids(), RowPart.ROW).view(torch.int32).clone()
+        return store.read_ids(torch.sort(store.keys()).values, RowPart.ROW).view(torch.int32).clone()
 
     before = (store.clock, dict(store.counters), bits())
     if mode == "eval":
-        kernel.eval()
-        out = kernel(ids, offsets, weights)
-        kernel.train()
+        tbe.eval()
+        out = tbe(ids, offsets, weights)
+        tbe.train()
     else:
         with torch.no_grad():
-            out = kernel(ids, offsets, weights)
+            out = tbe(ids, offsets, weights)
     assert (store.clock, dict(store.counters)) == before[:2]
     assert torch.equal(bits(), before[2])
     with torch.no_grad():  # the same batch through a training forward, on a copy of the rows
-        twin = KVZCHTableKernel(params, params.bucket_range(0, 1), pooling=pooling)
-        twin.store.write_rows(store.read_ids(store.sorted_ids(), RowPart.ROW))
+        twin = TableTBE(params, params.bucket_range(0, 1), pooling=pooling)
+        twin.store.write_rows(store.read_ids(torch.sort(store.keys()).values, RowPart.ROW))
         twin.train()
     with torch.enable_grad():
         want = twin(ids, offsets, weights)
     assert torch.equal(out, want.detach())
     empty = torch.empty(0, dtype=torch.long)
     with torch.no_grad():
-        assert kernel(empty, torch.zeros(3, dtype=torch.long)).shape[0] in (0, 2)
+        assert tbe(empty, torch.zeros(3, dtype=torch.long)).shape[0] in (0, 2)

@@ -50,7 +50,7 @@ def test_snapshot_is_stable_and_deleted_rows_are_skipped_on_load():
     rows = kv.full_tensor()  # still 10 rows: id 3 reads as unused
     fresh = RowStore(store.params)
     KVTensor(fresh, RowPart.ROW, ids=torch.empty(0, dtype=torch.long)).set_weights_and_ids(rows, kv.ids)
-    assert sorted(fresh.map.keys().tolist()) == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+    assert sorted(fresh.keys().tolist()) == [0, 1, 2, 4, 5, 6, 7, 8, 9]
 
 
 def test_writes_by_range_and_by_ids():
@@ -75,12 +75,12 @@ def test_read_only_view_changes_nothing(part, caplog):
     store = store_with(torch.arange(20))
     def live():
         n = len(store)
-        return (store.weights[:n], store.optimizer[:n], store.meta[:n], store.map.keys())
+        return (store.weights[:n], store.optimizer[:n], store.meta[:n], store.keys())
 
     before = [t.clone() for t in live()]
     kv = KVTensor(store, part, read_only=True)
     rows = kv.full_tensor()
-    with caplog.at_level(logging.INFO, logger="torchrec_kvzch.kv_tensor"):
+    with caplog.at_level(logging.INFO, logger="torchrec_kvzch.table.kv_tensor"):
         kv.set_range(0, 0, 20, torch.zeros_like(rows))
         kv.set_weights_and_ids(torch.zeros_like(rows), torch.arange(100, 120))
     assert len(store) == 20 and all(torch.equal(a, b) for a, b in zip(before, live()))

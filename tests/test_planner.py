@@ -18,10 +18,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from _dist import run_ranks
 from torchrec_kvzch import KVZCHTableParams
-from torchrec_kvzch.sharding import KVZCH_KERNEL, KVZCHEmbeddingKernel, KVZCHParameterSharding, kvzch_embedding_bag_config, kvzch_sharders
-from torchrec_kvzch.sharding.planner import KVZCHConstraints, KVZCHShardingPlanner
-from torchrec_kvzch.store.layout import RowLayout
-from torchrec_kvzch.store.row_store import RowStore
+from torchrec_kvzch.torchrec import KVZCH_KERNEL, KVZCHEmbeddingKernel, KVZCHParameterSharding, kvzch_embedding_bag_config, kvzch_sharders
+from torchrec_kvzch.torchrec.planner import KVZCHConstraints, KVZCHShardingPlanner
+from torchrec_kvzch.table.layout import RowLayout
+from torchrec_kvzch.table.row_store import RowStore
 
 
 def tables(expected_rows=10_000, buckets=(12, 7)):

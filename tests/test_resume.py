@@ -32,8 +32,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from _dist import RankPool
 from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, RankBudget
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
-from torchrec_kvzch.checkpoint.planner import KVZCHLoadPlanner, KVZCHSavePlanner
-from torchrec_kvzch.sharding import (KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config,
+from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
+from torchrec_kvzch.checkpoint.save_planner import KVZCHSavePlanner
+from torchrec_kvzch.torchrec import (KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config,
                                      kvzch_sharders, kvzch_tables)
 
 BUCKETS, BUCKET_SIZE = 6, 2**30
@@ -127,9 +128,9 @@ def snapshot(model, dense, pg):
     bits), each rank's clock and counters per table, the ordinary table's weights and optimizer
     state, and the dense weights and optimizer state."""
     rows, history = {}, {}
-    for name, kernel in kvzch_tables(model):
-        store = kernel.store
-        ids = store.sorted_ids()
+    for name, tbe in kvzch_tables(model):
+        store = tbe.store
+        ids = torch.sort(store.keys()).values
         rows.update(((name, i), r) for i, r in zip(ids.tolist(), store.read_ids(ids, "row").view(torch.int32).cpu()))
         history[name] = (store.clock, store.inserted, store.evicted, len(store))
     fused = model.fused_optimizer.state_dict()["state"]["ebc.embedding_bags.plain.weight"]["plain.momentum1"]

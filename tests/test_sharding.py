@@ -25,7 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from _dist import run_ranks
 from torchrec_kvzch import KVZCHTableParams
-from torchrec_kvzch.sharding import (
+from torchrec_kvzch.torchrec import (
     KVZCH_KERNEL,
     KVZCHEmbeddingKernel,
     KVZCHParameterSharding,
@@ -33,7 +33,7 @@ from torchrec_kvzch.sharding import (
     kvzch_embedding_config,
     kvzch_sharders,
 )
-from torchrec_kvzch.store.initializer import uniform_by_id_torch
+from torchrec_kvzch.table.initializer import uniform_by_id_torch
 
 
 def bucket_row_wise(compute_kernel: str, num_buckets: int):
@@ -144,9 +144,9 @@ def store_rows(dmp):
         for lookup in getattr(m, "_lookups", ()):
             for emb in lookup._emb_modules:
                 if isinstance(emb, KVZCHEmbeddingKernel):
-                    for name, kernel in emb.tables.items():
-                        ids = kernel.store.sorted_ids()
-                        rows.update(((name, i), r) for i, r in zip(ids.tolist(), kernel.store.read_ids(ids).cpu()))
+                    for name, tbe in emb.tables.items():
+                        ids = torch.sort(tbe.store.keys()).values
+                        rows.update(((name, i), r) for i, r in zip(ids.tolist(), tbe.store.read_ids(ids).cpu()))
     return rows
 
 

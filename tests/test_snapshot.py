@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, strategies as st
 
 from torchrec_kvzch import KVZCHTableParams, RowStore
-from torchrec_kvzch.kernel import KVZCHTableKernel
-from torchrec_kvzch.store.layout import RowPart
+from torchrec_kvzch.table.tbe import TableTBE
+from torchrec_kvzch.table.snapshot import RowSnapshot
+from torchrec_kvzch.table.layout import RowPart
 
 PARTS = (RowPart.ROW, RowPart.WEIGHT, RowPart.OPTIMIZER, RowPart.ID)
 
@@ -51,12 +52,12 @@ def test_frozen_snapshot_keeps_the_rows_of_the_freeze(backend, rows, ops):
     store = RowStore(params(), backend=backend)
     ids = torch.randperm(2**20, generator=gen)[:rows]
     train(store, ids, gen)
-    snap = store.snapshot()
+    snap = RowSnapshot(store)
     snap.freeze()
     frozen = reads(snap)
     for op, seed in ops:
         g = torch.Generator().manual_seed(seed)
-        live = store.sorted_ids()
+        live = torch.sort(store.keys()).values
         some = live[torch.randperm(live.numel(), generator=g)[: live.numel() // 3 + 1]] if live.numel() else live
         if op == "train":  # old and new ids, in place like fbgemm's fused update
             train(store, torch.cat([some, torch.randint(0, 2**20, (50,), generator=g)]), g)
@@ -82,7 +83,7 @@ def test_only_rows_changed_while_frozen_are_copied():
     store = RowStore(params())
     gen = torch.Generator().manual_seed(0)
     train(store, torch.arange(10_000), gen)
-    snap = store.snapshot()
+    snap = RowSnapshot(store)
     snap.freeze()
     base = snap.copied_bytes  # the per-position index only
     train(store, torch.arange(100), gen)
@@ -95,11 +96,11 @@ def test_only_rows_changed_while_frozen_are_copied():
 def test_a_snapshot_freezes_once_and_only_while_current():
     store = RowStore(params())
     store.find_or_insert(torch.arange(10))
-    snap = store.snapshot()
+    snap = RowSnapshot(store)
     snap.freeze()
     with pytest.raises(ValueError, match="already being saved"):
         snap.freeze()
-    stale = store.snapshot()
+    stale = RowSnapshot(store)
     store.delete(torch.tensor([3]))
     with pytest.raises(ValueError, match="take the state dict again"):
         stale.freeze()
@@ -108,7 +109,7 @@ def test_a_snapshot_freezes_once_and_only_while_current():
 def test_dropped_snapshot_stops_the_copying():
     store = RowStore(params())
     store.find_or_insert(torch.arange(10))
-    snap = store.snapshot()
+    snap = RowSnapshot(store)
     snap.freeze()
     assert store._frozen
     del snap
@@ -117,16 +118,16 @@ def test_dropped_snapshot_stops_the_copying():
 
 def test_kernel_step_pending_at_the_freeze_is_not_in_the_snapshot():
     """Forward before the freeze, backward (the fused update) after it."""
-    kernel = KVZCHTableKernel(params(learning_rate=0.5), params().bucket_range(0, 1))
+    tbe = TableTBE(params(learning_rate=0.5), params().bucket_range(0, 1))
     ids, offsets = torch.arange(40), torch.arange(0, 41, 2)
-    kernel(ids, offsets).sum().backward()
-    out = kernel(ids, offsets)
-    snap = kernel.store.snapshot()
+    tbe(ids, offsets).sum().backward()
+    out = tbe(ids, offsets)
+    snap = RowSnapshot(tbe.store)
     snap.freeze()
     frozen = reads(snap)
     out.sum().backward()
-    kernel(ids, offsets).sum().backward()
-    assert not torch.equal(kernel.store.read_ids(ids), snap.read(0, 40, RowPart.WEIGHT))
+    tbe(ids, offsets).sum().backward()
+    assert not torch.equal(tbe.store.read_ids(ids), snap.read(0, 40, RowPart.WEIGHT))
     assert same(reads(snap), frozen)
 
 
@@ -134,7 +135,7 @@ def test_reading_in_another_thread_while_training():
     store = RowStore(params(), backend="native")
     gen = torch.Generator().manual_seed(1)
     train(store, torch.arange(0, 2**20, 16), gen)  # 65536 rows
-    snap = store.snapshot()
+    snap = RowSnapshot(store)
     snap.freeze()
     frozen = {p: bits(snap.read(0, len(snap), p)) for p in (RowPart.ROW, RowPart.WEIGHT)}
     bad, done = [], threading.Event()
@@ -153,7 +154,7 @@ def test_reading_in_another_thread_while_training():
         for step in range(60):
             train(store, torch.randint(0, 2**20, (3000,), generator=gen), gen)
             if step % 20 == 19:
-                store.delete(store.sorted_ids()[::7])
+                store.delete(torch.sort(store.keys()).values[::7])
     finally:
         done.set()
         thread.join()
@@ -179,7 +180,7 @@ def test_snapshot_bucket_counts_match_the_store(world, rank, total, size, picks)
             lo, hi = bucket * r.size, (bucket + 1) * r.size - 1
             ids.append({"first": lo, "last": hi, "any": lo + x % (hi - lo + 1)}[where])
         store.find_or_insert(torch.tensor(ids, dtype=torch.long), touch=False)
-    counts = store.snapshot().bucket_counts()
-    want = torch.bincount(store.local_buckets(store.map.keys()), minlength=r.num_buckets)  # by division
+    counts = RowSnapshot(store).bucket_counts()
+    want = torch.bincount(store.bucket_range.local_buckets(store.keys()), minlength=r.num_buckets)  # by division
     assert counts.tolist() == want.tolist()
     assert int(counts.sum()) == len(store)

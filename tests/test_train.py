@@ -14,18 +14,19 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from torchrec_kvzch.config import load_config
-from torchrec_kvzch.data import CriteoClickLog, SyntheticClickLog
-from torchrec_kvzch.train import check_args, parse_args
+from torchrec_kvzch.torchrec.config import load_config
+from torchrec_kvzch.job.data import CriteoClickLog, SyntheticClickLog
+from torchrec_kvzch.job import config_path
+from torchrec_kvzch.job.train import check_args, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+QUICKSTART = str(config_path("quickstart"))
 SMALL = ["--config", QUICKSTART, "--global-batch-size", "256", "--population", "3000", "--log-every", "2"]
 
 
 def train(run_dir, *args, nproc=2, summary="summary.json", check=True, env=None, timeout=240):
     """Run the job as a user would; returns (completed process, summary or None)."""
-    cmd = [sys.executable, "-m", "torchrec_kvzch.train", *SMALL, "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "torchrec_kvzch.job.train", *SMALL, "--nproc", str(nproc),
            "--run-dir", str(run_dir), "--summary", str(run_dir / summary), *map(str, args)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and done.returncode != 0:
@@ -104,7 +105,7 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cmd = [sys.executable, "-m", "torchrec_kvzch.train", *SMALL, "--steps", "20", "--checkpoint-every", "2",
+        cmd = [sys.executable, "-m", "torchrec_kvzch.job.train", *SMALL, "--steps", "20", "--checkpoint-every", "2",
                "--run-dir", str(tmp_path / "nodes"), "--crash-drill", "1:3", "--timeout-s", "60"]
         procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env))
     t0 = time.monotonic()
@@ -155,7 +156,7 @@ def test_criteo_tsv_gives_every_hash_its_own_row(tmp_path):
 def test_criteo_refuses_features_it_does_not_have(tmp_path):
     tsv = tmp_path / "day_0.tsv"
     write_criteo_tsv(tsv, 10)
-    with pytest.raises(ValueError, match=r"\['user_id', 'item_id', 'category'\] are not Criteo columns.*configs/criteo.yaml"):
+    with pytest.raises(ValueError, match=r"\['user_id', 'item_id', 'category'\] are not Criteo columns.*--config criteo"):
         CriteoClickLog(load_config(QUICKSTART), [str(tsv)], tmp_path, 4)
 
 
@@ -208,8 +209,8 @@ def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
     with pytest.raises(SystemExit, match="--resume 'latest'"):
         check_args(parse_args(["--config", QUICKSTART, "--resume", "latest"]), 2)
     mixed = tmp_path / "mixed.yaml"
-    mixed.write_text(Path(QUICKSTART).read_text().replace("embedding_dim: 32\n    num_embeddings: 1024",
-                                                          "embedding_dim: 16\n    num_embeddings: 1024"))
+    mixed.write_text(Path(QUICKSTART).read_text().replace("- name: category  # an ordinary table (fbgemm's FUSED kernel)\n",
+                                                          "- name: category\n    embedding_dim: 16\n"))
     with pytest.raises(SystemExit, match="one embedding_dim for all tables.*category=16"):
         check_args(parse_args(["--config", str(mixed)]), 2)
     with pytest.raises(Exception, match="no such sharding config"):

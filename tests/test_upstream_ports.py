@@ -94,7 +94,7 @@ from torchrec.modules.embedding_configs import (
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from _dist import RankPool
-from torchrec_kvzch.sharding import KVZCHShardingPlanner, kvzch_sharders
+from torchrec_kvzch.torchrec import KVZCHShardingPlanner, kvzch_sharders
 
 WORLD = 2
 SSD = EmbeddingComputeKernel.SSD_VIRTUAL_TABLE.value
@@ -299,7 +299,7 @@ def test_kv_zch_load_state_dict(kernel_type, dtype):
     10 buckets, NoEvictionPolicy), row-wise on the given kernel; m2 gets m1's dense state and
     m1's KV-ZCH rows (weight_id / get_weights_by_ids / set_weights_and_ids); one training step
     each; eval outputs equal; state dicts equal (KV rows compared by sorted weight_id).
-    Swapped: cuda->cpu, nccl->gloo on 2 ranks, create_test_sharder(EBC, row_wise, kernel,
+    Swapped: cuda->cpu, nccl->gloo on 2 ranks, create_test_sharder(EBC, row_wise, tbe,
     fused_params) -> kvzch_sharders(fused_params), EmbeddingShardingPlanner -> ours."""
     _run(_rank_kv_zch_load_state_dict, kernel_type, dtype, True, True)
 
@@ -349,7 +349,7 @@ def _rank_kv_zch_numerical_accuracy(rank, world, kernel_type, dtype, is_training
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_zch_numerical_accuracy(dtype, stochastic_rounding):
     """Port of test_model_parallel_nccl_ssd_single_gpu.py::ZeroCollisionModelParallelTest::
-    test_kv_zch_numerical_accuracy (kernel ssd_virtual_table, the only one upstream draws). A
+    test_kv_zch_numerical_accuracy (tbe ssd_virtual_table, the only one upstream draws). A
     FUSED row-wise twin (same tables as ordinary ones) and the KV-ZCH model, both with
     EXACT_ROWWISE_ADAGRAD lr 0.1; the KV shards are filled from the twin's with
     set_range(0, 0, rows, weight); one training step; eval outputs must match the twin's.
@@ -391,7 +391,7 @@ def _rank_kv_zch_fused_optimizer(rank, world, kernel_type, dtype, is_training, s
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_zch_fused_optimizer(dtype, stochastic_rounding):
     """Port of test_model_parallel_nccl_ssd_single_gpu.py::ZeroCollisionModelParallelTest::
-    test_kv_zch_fused_optimizer (kernel ssd_virtual_table). Base model lr 0.2, test model lr 0.1
+    test_kv_zch_fused_optimizer (tbe ssd_virtual_table). Base model lr 0.2, test model lr 0.1
     from the sharders' fused_params; rows copied base->test; then
     ``test_model.fused_optimizer.param_groups[0]["lr"] = 0.2``; one training step; outputs and
     state dicts (compared without use_virtual_table, as upstream does) must be equal.
@@ -456,11 +456,11 @@ def _rank_sequence_kv_zch_load_state_dict(rank, world, kernel_type, dtype, is_tr
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sequence_kv_zch_load_state_dict(dtype):
     """Port of test_model_parallel_nccl_ssd_single_gpu.py::
-    ZeroCollisionSequenceModelParallelStateDictTest::test_kv_zch_load_state_dict (kernel
+    ZeroCollisionSequenceModelParallelStateDictTest::test_kv_zch_load_state_dict (tbe
     ssd_virtual_table). TestSequenceSparseNN: 6 EC virtual tables (dim 16, 10 buckets; tables
     4 and 5 of 20/40 rows share features feature_0/feature_1 as "feature@table"), need_indices;
     as the EBC test: copy rows m1->m2, train one step, equal outputs and state dicts.
-    Swapped: cuda->cpu, nccl->gloo on 2 ranks, TestEmbeddingCollectionSharder(row_wise, kernel,
+    Swapped: cuda->cpu, nccl->gloo on 2 ranks, TestEmbeddingCollectionSharder(row_wise, tbe,
     fused_params) -> kvzch_sharders(fused_params), EmbeddingShardingPlanner -> ours."""
     _run(_rank_sequence_kv_zch_load_state_dict, SSD, dtype, True, True)
 
@@ -468,7 +468,7 @@ def test_sequence_kv_zch_load_state_dict(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sequence_kv_zch_numerical_accuracy(dtype):
     """Port of test_model_parallel_nccl_ssd_single_gpu.py::
-    ZeroCollisionSequenceModelParallelStateDictTest::test_kv_zch_numerical_accuracy (kernel
+    ZeroCollisionSequenceModelParallelStateDictTest::test_kv_zch_numerical_accuracy (tbe
     ssd_virtual_table): the EC version of the FUSED-twin comparison above.
     Swapped: as test_kv_zch_numerical_accuracy."""
     _run(_rank_kv_zch_numerical_accuracy, SSD, dtype, True, True, True, world=1)

@@ -47,7 +47,7 @@ def _battery(rank, world_size, sequence):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from torchrec_kvzch import KVZCHTableParams
-    from torchrec_kvzch.sharding import (KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config,
+    from torchrec_kvzch.torchrec import (KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config,
                                          kvzch_embedding_config, kvzch_sharders, kvzch_tables)
 
     user = KVZCHTableParams("user", 8, num_embeddings=USER_ROWS, total_num_buckets=64, expected_rows=1000)
@@ -74,11 +74,11 @@ def _battery(rank, world_size, sequence):
         loss.backward()
 
     run(["user_id", "category"], [7, 2**39, 3, 4], [1, 1, 1, 1])  # a good batch first
-    [(_, kernel)] = list(kvzch_tables(model))
-    store = kernel.store
+    [(_, tbe)] = list(kvzch_tables(model))
+    store = tbe.store
 
     def state():
-        return (store.clock, dict(store.counters), store.read_ids(store.sorted_ids(), "row").clone(),
+        return (store.clock, dict(store.counters), store.read_ids(torch.sort(store.keys()).values, "row").clone(),
                 {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).clone()
                  for k, v in model.state_dict().items() if "category" in k})
 

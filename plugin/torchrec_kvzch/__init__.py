@@ -3,7 +3,7 @@
 import logging
 from importlib.metadata import PackageNotFoundError, version
 
-# The stacks the suite runs on (README, "Supported stacks"): torch, fbgemm-gpu, torchrec.
+# The stacks the suite runs on (docs/stacks.md): torch, fbgemm-gpu, torchrec.
 SUPPORTED_STACKS = (("2.13", "1.8", "1.8"), ("2.11", "1.6", "1.6"))
 
 
@@ -35,29 +35,60 @@ def check_stack() -> bool:
 
 check_stack()
 
-from torchrec_kvzch.kv_tensor import KVTensor, RowPart
-from torchrec_kvzch.params import (
+# The public API, one layer after another; each layer imports only the ones above it here.
+from torchrec_kvzch.params import (  # noqa: E402
     BucketRange,
+    EvictionKind,
     EvictionPolicy,
+    EvictionTrigger,
     KVZCHTableParams,
     OptimizerKind,
     RankBudget,
 )
-from torchrec_kvzch.store import IdMap, RowLayout, RowStore
-from torchrec_kvzch.store.eviction import SharedBudget
-from torchrec_kvzch.store.id_map import native_status
+from torchrec_kvzch.table import (  # noqa: E402
+    IdMap,
+    KVTensor,
+    RowLayout,
+    RowPart,
+    RowStore,
+    SharedBudget,
+    TableTBE,
+    native_status,
+)
+from torchrec_kvzch.torchrec import (  # noqa: E402
+    KVZCHConstraints,
+    KVZCHEmbeddingBagCollectionSharder,
+    KVZCHEmbeddingCollectionSharder,
+    KVZCHShardingPlanner,
+    kvzch_embedding_bag_config,
+    kvzch_embedding_config,
+    kvzch_sharders,
+    kvzch_tables,
+)
+from torchrec_kvzch.torchrec.config import ConfigError, ShardingConfig, load_config  # noqa: E402
+from torchrec_kvzch.checkpoint import (  # noqa: E402
+    CheckpointManager,
+    KVZCHAsyncStager,
+    KVZCHFileSystemWriter,
+    KVZCHLoadPlanner,
+    KVZCHSavePlanner,
+)
 
 __all__ = [
-    "BucketRange",
-    "EvictionPolicy",
-    "IdMap",
-    "KVTensor",
-    "KVZCHTableParams",
-    "OptimizerKind",
-    "RankBudget",
-    "RowLayout",
-    "RowPart",
-    "RowStore",
-    "SharedBudget",
+    # parameters
+    "BucketRange", "EvictionKind", "EvictionPolicy", "EvictionTrigger", "KVZCHTableParams",
+    "OptimizerKind", "RankBudget",
+    # one table shard
+    "IdMap", "KVTensor", "RowLayout", "RowPart", "RowStore", "SharedBudget", "TableTBE",
     "native_status",
+    # TorchRec
+    "ConfigError", "KVZCHConstraints", "KVZCHEmbeddingBagCollectionSharder",
+    "KVZCHEmbeddingCollectionSharder", "KVZCHShardingPlanner", "ShardingConfig",
+    "kvzch_embedding_bag_config", "kvzch_embedding_config", "kvzch_sharders", "kvzch_tables",
+    "load_config",
+    # checkpoints
+    "CheckpointManager", "KVZCHAsyncStager", "KVZCHFileSystemWriter", "KVZCHLoadPlanner",
+    "KVZCHSavePlanner",
+    # the stack
+    "SUPPORTED_STACKS", "check_stack", "installed_stack",
 ]

@@ -2,7 +2,7 @@
 
 Every check raises ``ValueError`` naming the table, the field and the fix (fbgemm's own
 ``KVZCHParams.validate`` uses ``assert``, which ``python -O`` strips). TorchRec's own KV-ZCH
-declarations become these parameters in ``sharding/declarations.py``.
+declarations become these parameters in ``torchrec/declarations.py``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ _WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 class OptimizerKind(str, enum.Enum):
-    """Fused optimizers the store can hold state for; values are fbgemm's ``EmbOptimType`` names."""
+    """The fused optimizers of KV-ZCH tables; values are fbgemm's ``EmbOptimType`` names.
+
+    Both keep their state in the store's rows and bind to fbgemm's TBE in place. Adam cannot:
+    fbgemm has no CPU Adam, and its CUDA Adam wants the two moments as two flat tensors, where a
+    row keeps them side by side; ``parse`` refuses it (and every other fbgemm optimizer) with
+    that reason rather than accept a table no kernel can train."""
 
     EXACT_ROWWISE_ADAGRAD = "exact_row_wise_adagrad"
     EXACT_SGD = "exact_sgd"
-    ADAM = "adam"
 
     @classmethod
     def parse(cls, value: "OptimizerKind | str", table: str = "?") -> "OptimizerKind":
@@ -33,18 +37,18 @@ class OptimizerKind(str, enum.Enum):
         for kind in cls:
             if key in (kind.value, kind.name.lower()):
                 return kind
-        allowed = ", ".join(k.name for k in cls)
-        raise ValueError(
-            f"KV-ZCH table '{table}': optimizer {value!r} is not supported; use one of {allowed}"
-        )
+        raise ValueError(f"KV-ZCH table '{table}': optimizer {cls.refusal(value)}")
+
+    @classmethod
+    def refusal(cls, value) -> str:
+        """Why ``value`` is not an optimizer of KV-ZCH tables, and what to use instead."""
+        why = (" (fbgemm has no CPU Adam, and its CUDA Adam needs the two moments apart, which "
+               "the row store keeps together in each row)" if "adam" in str(value).lower() else "")
+        return f"{value!r} is not supported{why}; use one of {', '.join(k.name.lower() for k in cls)}"
 
     def state_floats(self, embedding_dim: int) -> int:
-        """fp32 optimizer values kept per row (rowwise Adagrad: one accumulator; Adam: m and v)."""
-        return {
-            OptimizerKind.EXACT_ROWWISE_ADAGRAD: 1,
-            OptimizerKind.EXACT_SGD: 0,
-            OptimizerKind.ADAM: 2 * embedding_dim,
-        }[self]
+        """fp32 optimizer values kept per row (rowwise Adagrad: one accumulator; SGD: none)."""
+        return {OptimizerKind.EXACT_ROWWISE_ADAGRAD: 1, OptimizerKind.EXACT_SGD: 0}[self]
 
     def to_fbgemm(self):
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -67,7 +71,7 @@ class EvictionTrigger(str, enum.Enum):
     ROWS = "rows"  # when the shard holds more than trigger_rows rows
     BYTES = "bytes"  # when the shard's memory passes trigger_bytes
     FREE_MEMORY = "free_memory"  # when the host's available memory falls below free_memory_bytes
-    MANUAL = "manual"  # only when asked: ``kvzch_evict(model)`` / ``Evictor.run_pass()``
+    MANUAL = "manual"  # only when asked: ``store.evictor.run_pass()``
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,10 @@ class BucketRange:
     def id_end(self) -> int:
         return self.end * self.size
 
+    def local_buckets(self, ids):
+        """The bucket of each of ``ids`` (a tensor of this range's ids), 0 = this range's first."""
+        return ids.div(self.size, rounding_mode="floor") - self.start
+
 
 OPTIMIZER_DEFAULTS = {"optimizer": OptimizerKind.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01,
                       "eps": 1e-8, "stochastic_rounding": True}
@@ -230,7 +238,6 @@ class KVZCHTableParams:
     learning_rate: float | None = None
     eps: float | None = None
     stochastic_rounding: bool | None = None  # fp16 rows: round updates stochastically (fbgemm's default)
-    betas: tuple[float, float] = (0.9, 0.999)
     init_range: tuple[float, float] = (-0.01, 0.01)
     init_seed: int | None = None  # None: derived from the table name
     weight_dtype: str = "fp32"
@@ -269,9 +276,6 @@ class KVZCHTableParams:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 fail(name, f"must be a positive finite number, got {value!r}", "e.g. 0.01")
-        b1, b2 = _pair(self.betas, "betas", fail)
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            fail("betas", f"must both be in [0, 1), got {self.betas!r}", "e.g. (0.9, 0.999)")
         low, high = _pair(self.init_range, "init_range", fail)
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
             fail("init_range", f"must be finite (low, high) with low < high, got {self.init_range!r}",

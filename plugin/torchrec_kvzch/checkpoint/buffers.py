@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from torchrec_kvzch.store.id_map import empty_large
+from torchrec_kvzch.table.native import empty_large
 
 
 class ChunkBuffers:

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from torchrec_kvzch.checkpoint.planner import KVZCHLoadPlanner, KVZCHSavePlanner
+from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
+from torchrec_kvzch.checkpoint.save_planner import KVZCHSavePlanner
 from torchrec_kvzch.checkpoint.staging import KVZCHAsyncStager
 from torchrec_kvzch.checkpoint.writer import KVZCHFileSystemWriter
 

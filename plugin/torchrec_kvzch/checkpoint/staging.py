@@ -2,7 +2,7 @@
 
 DCP's default stager copies every tensor of the state dict before training may go on; for
 KV-ZCH tables that is a copy of every row. ``KVZCHAsyncStager`` copies only the ordinary entries
-and freezes the tables' snapshots instead (copy on write, ``store/snapshot.py``): the call
+and freezes the tables' snapshots instead (copy on write, ``table/snapshot.py``): the call
 returns right after, and only rows changed while the checkpoint is written get copied, each
 once. ``KVZCHSavePlanner`` releases a table's snapshot as soon as its last chunk is written::
 
@@ -25,8 +25,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
 
-from torchrec_kvzch.checkpoint.state_dict import kv_view
-from torchrec_kvzch.store.snapshot import RowSnapshot
+from torchrec_kvzch.torchrec.state_dict import kv_view
+from torchrec_kvzch.table.snapshot import RowSnapshot
 
 
 class KVZCHAsyncStager(AsyncStager):

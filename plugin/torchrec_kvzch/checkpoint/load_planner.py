@@ -1,0 +1,355 @@
+"""The DCP load planner for state dicts holding KV-ZCH tables: a subclass of DCP's default.
+
+saved rows are sorted by id within each rank and ranks own
+ascending id ranges, so the rows of a new rank's buckets lie in the saved rows of the old ranks
+whose ids overlap its own - whatever the saved world size, ``num_embeddings`` or
+``total_num_buckets``. Each rank reads exactly those ranks' rows, chunk by chunk, and hands
+them to the table's KV tensor, which keeps the rows of its buckets (``KVTensor.load``). Memory
+stays bounded by a chunk. The store's clock and counters come back with the rows.
+
+The rows are not read by DCP's reader (a ``torch.load`` into a new tensor and a copy per chunk,
+several times slower than the bytes): once every rank's plan is valid, ``finish_plan`` reads
+them straight from the files into one reused buffer per entry (``files.py``) and hands DCP's
+reader the rest of the plan (clock, counters, ordinary entries). Tables whose items cannot be
+read that way (a storage transform, no local folder) go through DCP's reader as before.
+
+A load changes everything or nothing: while planning, before any rank changes anything, it
+refuses mismatched tables (row width, optimizer, layout, ids that do not fit), checks that
+every file region this rank will read exists and is complete, locates the rows inside their
+files, and (``verify=True``) reads every item back against its checksum. A load thus reads its
+rows twice: the check must be over before the stores change, and holding the rows meanwhile
+would cost their size in memory; the second read finds them in the page cache.
+
+Tables without ``backend_return_whole_row`` stream weights, ids, header words and optimizer
+state of the same saved chunk side by side: each chunk is loaded by id once all of its parts
+have arrived. The load plan puts a chunk's parts next to each other, so with one data file per
+saving rank (``FileSystemWriter``'s default) a chunk's parts are held at once; parts spread
+over several files are held until their partners arrive.
+
+Checkpoints saved by upstream TorchRec load too (``upstream.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem
+
+from torchrec_kvzch.checkpoint.files import SavedFiles
+from torchrec_kvzch.checkpoint.integrity import check_files, read_saved, verify_items
+from torchrec_kvzch.checkpoint.record import SavedTable, saved_record
+from torchrec_kvzch.checkpoint.table_load import RowSink, TableLoad, overlaps
+from torchrec_kvzch.checkpoint.upstream import UpstreamTables
+from torchrec_kvzch.table.kv_tensor import KVTensor
+from torchrec_kvzch.table.layout import RowLayout, RowPart
+from torchrec_kvzch.torchrec.state_dict import kv_view
+
+
+class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
+    def __init__(self, checkpoint_id: str | os.PathLike | None = None, verify: bool = True,
+                 load_optimizer: bool = True, **kwargs) -> None:
+        """``checkpoint_id``: the checkpoint's folder, named in errors and read to check its
+        files before loading (pass it: without it the file checks are skipped, and a table
+        saved with a larger ``num_embeddings``, or by upstream TorchRec, cannot be checked and
+        is refused). ``verify``: also read back every item against its checksum (one more
+        read). ``load_optimizer``: False loads KV-ZCH tables' weights with fresh optimizer
+        state (upstream's ``load_ckpt_without_opt``), e.g. from a checkpoint of another
+        optimizer; other entries load as the state dict asks (leave the optimizer's out to keep
+        it fresh too)."""
+        super().__init__(**kwargs)
+        self._verify, self._load_optimizer = verify, load_optimizer
+        self._checkpoint = str(checkpoint_id) if checkpoint_id is not None else "the checkpoint"
+        self._checkpoint_dir = str(checkpoint_id) if checkpoint_id is not None else None
+        self._tables: dict[str, TableLoad] = {}  # fqn of any entry read for a table -> it
+        self._checksum_files: list[str] = []
+        self._files: SavedFiles | None = None  # the checkpoint's files, read directly
+        self._direct: list[ReadItem] = []  # rows read here rather than by DCP's reader
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False):
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        self._tables, self._direct = {}, []
+        if self._files is not None:
+            self._files.close()
+        self._files = (SavedFiles(self._checkpoint_dir, metadata)
+                       if self._checkpoint_dir is not None and getattr(metadata, "storage_data", None) else None)
+        saved, self._checksum_files = saved_record(metadata.planner_data)
+        views = {fqn: v for fqn, obj in self.state_dict.items() if (v := kv_view(obj)) is not None}
+        by_store = {v.store: self._table(fqn, v, saved)
+                    for fqn, v in views.items() if v.part in (RowPart.ROW, RowPart.WEIGHT)}
+        for table in by_store.values():
+            self._plan_table(table, views[table.base + "weight"].part)
+        for fqn, view in views.items():
+            if view.part is RowPart.OPTIMIZER:
+                self._plan_entry(by_store[view.store], fqn, RowPart.OPTIMIZER)
+        for table in by_store.values():
+            if table.split and table.optimizer and RowPart.OPTIMIZER not in table.parts.values():
+                raise ValueError(f"the state dict to load has no optimizer state for KV-ZCH table "
+                                 f"'{table.name}' (rows without backend_return_whole_row keep it apart): "
+                                 "include the optimizer's state_dict(), or pass load_optimizer=False "
+                                 "to start it fresh")
+            self._check_aligned(table)
+
+    def _plan_table(self, table: TableLoad, part: RowPart) -> None:
+        """Sinks for the entries of one table: rows streamed, the rest skipped or read whole."""
+        base = table.base
+        for name in ("weight_id", "bucket", "counters", "clock") + (("metaheader",) if table.split else ()):
+            if base + name not in self.state_dict:
+                raise ValueError(f"the state dict to load has no '{base}{name}': load "
+                                 f"KV-ZCH table '{table.name}' with all of its entries "
+                                 "(the module's whole state_dict())")
+        self._plan_entry(table, base + "weight", part)
+        self._plan_entry(table, base + "weight_id", RowPart.ID)
+        if table.split and not table.upstream:
+            self._plan_entry(table, base + "metaheader", RowPart.META)
+        elif table.split:
+            self._skip(base + "metaheader")  # not saved upstream: removed from what is read
+            if base + "metadata" in self.metadata.state_dict_metadata:
+                self._plan_entry(table, base + "metadata", RowPart.META)
+        self._skip(base + "bucket", table)  # rows per bucket: recomputed from the rows
+        for name in ("counters", "clock"):
+            fqn = base + name
+            if table.upstream:
+                self._skip(fqn)  # upstream saves neither: zero counters, clock from the headers
+                continue
+            if fqn not in self.metadata.state_dict_metadata:
+                raise ValueError(f"{self._checkpoint} has no '{fqn}' for KV-ZCH table "
+                                 f"'{table.name}': it was saved by an older torchrec-kvzch")
+            table.history[fqn] = torch.empty(self.metadata.state_dict_metadata[fqn].size,
+                                             dtype=torch.long)
+            self.state_dict[fqn] = table.history[fqn]
+            self._tables[fqn] = table
+
+    def _table(self, fqn: str, view: KVTensor, saved_tables) -> TableLoad:
+        """Check a table against what the checkpoint saved of it; plan its slice of the rows."""
+        params = view.store.params
+        where = f"{self._checkpoint}: KV-ZCH table '{params.name}'"
+        if fqn not in self.metadata.state_dict_metadata:
+            raise ValueError(f"{self._checkpoint} has no rows for KV-ZCH table '{params.name}' "
+                             f"(no entry '{fqn}'); was it saved from another model?")
+        saved = (saved_tables or {}).get(fqn)
+        if saved is None:
+            if self._is_upstream(fqn[: -len("weight")]):
+                return self._upstream_table(fqn, view)
+            raise ValueError(f"{where} was saved neither with KVZCHSavePlanner of this "
+                             "torchrec-kvzch version nor in upstream TorchRec's layout (weight_id and "
+                             "bucket beside the rows), so its rows cannot be placed; save with it")
+        if (saved.embedding_dim, saved.weight_dtype) != (params.embedding_dim, params.weight_dtype):
+            raise ValueError(f"{where} was saved with embedding_dim {saved.embedding_dim} "
+                             f"({saved.weight_dtype}), this model has {params.embedding_dim} "
+                             f"({params.weight_dtype}); load it into a table of the same shape")
+        if saved.whole_row != params.backend_return_whole_row:
+            raise ValueError(f"{where} was saved with backend_return_whole_row={saved.whole_row}, "
+                             f"this model has {params.backend_return_whole_row}; load with the setting "
+                             "it was saved with")
+        if saved.optimizer != params.optimizer.value and self._load_optimizer:
+            raise ValueError(f"{where} was saved with optimizer {saved.optimizer}, this model uses "
+                             f"{params.optimizer.value}: its optimizer state does not fit. Pass "
+                             "load_optimizer=False to load the weights with fresh optimizer state")
+        saved_params = saved.params(params)
+        table = TableLoad(view.store, fqn[: -len("weight")], saved_params,
+                           RowLayout.for_table(saved_params),
+                           self._load_optimizer and view.store.layout.optimizer_floats > 0)
+        table.begin, table.end = self._row_range(table, saved.rows)
+        self._check_ids_fit(table, saved)
+        return table
+
+    def _row_range(self, table: TableLoad, rows: tuple[int, ...]) -> tuple[int, int]:
+        """This rank's slice of the saved rows: those of the saved ranks whose ids overlap its own."""
+        mine = table.store.bucket_range
+        starts = [sum(rows[:r]) for r in range(len(rows))]
+        overlapping = [r for r in range(len(rows)) if rows[r] and overlaps(
+            table.saved.bucket_range(r, len(rows)), mine)]
+        if not overlapping:
+            return 0, 0
+        return starts[overlapping[0]], starts[overlapping[-1]] + rows[overlapping[-1]]
+
+    def _check_ids_fit(self, table: TableLoad, saved: SavedTable) -> None:
+        """A table saved with a larger id space may hold ids this one cannot: the largest saved
+        id (the last row of ``weight_id``: rows ascend by id) must fit."""
+        limit = table.store.params.num_embeddings
+        total = sum(saved.rows)
+        if saved.num_embeddings <= limit or not total:
+            return
+        if self._checkpoint_dir is None:
+            raise ValueError(f"KV-ZCH table '{table.name}' was saved with num_embeddings "
+                             f"{saved.num_embeddings}, more than this model's {limit}: pass "
+                             "checkpoint_id to KVZCHLoadPlanner so the saved ids can be checked")
+        fqn = table.base + "weight_id"
+        chunk = next(c for c in self.metadata.state_dict_metadata[fqn].chunks
+                     if c.offsets[0] <= total - 1 < c.offsets[0] + c.sizes[0])
+        self._check_files([MetadataIndex(fqn, chunk.offsets)])
+        largest = int(read_saved(self._checkpoint_dir, self.metadata, MetadataIndex(fqn, chunk.offsets))[-1])
+        if largest >= limit:
+            raise ValueError(
+                f"{self._checkpoint}: KV-ZCH table '{table.name}' holds ids up to {largest}, saved "
+                f"with num_embeddings {saved.num_embeddings}; this model's num_embeddings {limit} "
+                f"cannot hold them. Use num_embeddings > {largest} (a multiple of total_num_buckets) "
+                "or remap the ids")
+
+    def _plan_entry(self, table: TableLoad, fqn: str, part: RowPart) -> None:
+        """Rows to stream for ``fqn`` as ``part``, or none (``_skip``) where the rows carry it
+        already or it is not loaded."""
+        saved = self.metadata.state_dict_metadata.get(fqn)
+        if (part is RowPart.OPTIMIZER and not table.optimizer) or (not table.split and part is not RowPart.ROW):
+            return self._skip(fqn, table)  # not loaded, or held by the whole rows already
+        if part is RowPart.OPTIMIZER and saved is None:
+            raise ValueError(f"{self._checkpoint} has no optimizer state for KV-ZCH table "
+                             f"'{table.name}' (no entry '{fqn}'): it was saved without the optimizer's "
+                             "state_dict(). Pass load_optimizer=False to start it fresh")
+        if saved is None:
+            raise ValueError(f"{self._checkpoint} has no '{fqn}' for KV-ZCH table '{table.name}': "
+                             "it was saved from another model or by an older torchrec-kvzch")
+        if part is RowPart.OPTIMIZER and table.upstream:
+            self._check_upstream_optimizer(table, fqn, saved)
+        self.state_dict[fqn] = RowSink(saved.size, table.begin, table.end)
+        self._tables[fqn] = table
+        table.parts[fqn] = part
+        table.dtypes[fqn] = saved.properties.dtype
+
+    def _check_aligned(self, table: TableLoad) -> None:
+        """The parts of a split table are joined chunk by chunk: all must be saved in chunks
+        cut at the same rows (ours and upstream's are)."""
+        if not table.split:
+            return
+        cuts = {}
+        for fqn in table.parts:
+            cuts[fqn] = sorted((max(c.offsets[0], table.begin), min(c.offsets[0] + c.sizes[0], table.end))
+                               for c in self.metadata.state_dict_metadata[fqn].chunks
+                               if c.offsets[0] < table.end and table.begin < c.offsets[0] + c.sizes[0])
+        if len({tuple(c) for c in cuts.values()}) > 1:
+            raise ValueError(f"{self._checkpoint}: KV-ZCH table '{table.name}' has entries "
+                             f"{sorted(cuts)} saved in chunks cut at different rows; they must be "
+                             "cut alike to be loaded row by row (re-save the table with one chunking)")
+
+    def _skip(self, fqn: str, table: TableLoad | None = None) -> None:
+        """Read nothing for ``fqn``; a table's skipped entries are still verified."""
+        saved = self.metadata.state_dict_metadata.get(fqn)
+        if saved is None:
+            self.state_dict.pop(fqn, None)
+            return
+        self.state_dict[fqn] = RowSink(saved.size, 0, 0)
+        if table is not None:
+            table.skipped.append(fqn)
+            self._tables[fqn] = table  # for errors naming it
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        indices = [item.storage_index for item in plan.items] + self._skipped_items()
+        indices = list(dict.fromkeys(indices))
+        self._check_files(indices)
+        # A table's rows are read here when all of its parts can be (a split table joins a
+        # chunk's parts: some here and some through DCP's reader would hold them all at once).
+        readable = {item: self._readable_rows(item) for item in plan.items}
+        partly = {self._tables[item.dest_index.fqn] for item, ok in readable.items()
+                  if not ok and self._tables.get(item.dest_index.fqn) is not None
+                  and item.dest_index.fqn in self._tables[item.dest_index.fqn].parts}
+        self._direct = [item for item, ok in readable.items()
+                        if ok and self._tables[item.dest_index.fqn] not in partly]
+        if self._verify and self._checkpoint_dir is not None and self._checksum_files:
+            verify_items(self._checkpoint_dir, self.metadata, indices, self._checksum_files, self._describe,
+                         self._files)
+
+        # Parts of one chunk next to each other, so that a chunk is complete soon after its
+        # first part (the reader goes through each file's items in plan order).
+        def order(item):
+            table = self._tables.get(item.dest_index.fqn)
+            if table is None or item.dest_index.fqn not in table.parts:
+                return ("", 0)
+            return (table.base, item.dest_offsets[0])
+        plan.items.sort(key=order)
+        return plan
+
+    def _readable_rows(self, item: ReadItem) -> bool:
+        """Whether ``item`` is rows of a table (a slice of whole saved rows) that ``SavedFiles``
+        can read straight from the file. Finding that out parses the item's zip directory, so
+        a damaged one is refused here, before anything changes."""
+        table = self._tables.get(item.dest_index.fqn)
+        if self._files is None or table is None or item.dest_index.fqn not in table.parts:
+            return False
+        saved = self.metadata.state_dict_metadata[item.storage_index.fqn]
+        sizes = next(c.sizes for c in saved.chunks if c.offsets == item.storage_index.offset)
+        if any(item.storage_offsets[1:]) or list(item.lengths[1:]) != list(sizes[1:]):
+            return False
+        try:
+            return self._files.span(item.storage_index) is not None
+        except ValueError as e:
+            where = os.path.join(self._checkpoint_dir, self.metadata.storage_data[item.storage_index].relative_path)
+            raise ValueError(f"{where} is corrupt: {self._describe(item.dest_index.fqn)} cannot be "
+                             f"located in it ({e}); restore the file or load another checkpoint") from e
+
+    def _skipped_items(self) -> list[MetadataIndex]:
+        """Saved chunks of the tables' entries this load reads nothing of (ids and optimizer
+        state inside whole rows, rows per bucket): checked all the same, each rank its slice
+        of the rows, so a damaged checkpoint is refused whichever entry is damaged."""
+        out = []
+        for table in set(self._tables.values()):
+            for fqn in table.skipped:
+                for c in self.metadata.state_dict_metadata[fqn].chunks:
+                    start, rows = c.offsets[0], c.sizes[0]
+                    if fqn.endswith(".bucket") or (start < table.end and table.begin < start + rows):
+                        out.append(MetadataIndex(fqn, c.offsets))
+        return out
+
+    def _check_files(self, indices) -> None:
+        if self._checkpoint_dir is not None and getattr(self.metadata, "storage_data", None):
+            check_files(self._checkpoint_dir, self.metadata, indices, self._describe)
+
+    def _describe(self, fqn: str) -> str:
+        table = self._tables.get(fqn)
+        return f"entry '{fqn}'" + (f" of KV-ZCH table '{table.name}'" if table else "")
+
+    def finish_plan(self, new_plan):
+        # Every rank's plan is valid: replace the stores' rows with the checkpoint's, with room
+        # reserved for the most rows that can arrive (no growth copies while streaming).
+        for table in set(self._tables.values()):
+            table.store.clear()
+            table.store.reserve(table.end - table.begin)
+            if table.upstream:  # no history saved: counters zero, clock from the loaded headers
+                p = table.store.params
+                table.store.restore_history(0, torch.zeros(p.total_num_buckets, 2, dtype=torch.long),
+                                            p.bucket_size)
+        plan = super().finish_plan(new_plan)
+        # Rows are read here, straight from the files into reused buffers and on into the
+        # stores; DCP's reader gets the rest (clock, counters, ordinary entries).
+        direct = set(self._direct)
+        try:
+            self._read_rows([item for item in plan.items if item in direct])
+        finally:
+            if self._files is not None:
+                self._files.close()
+        return dataclasses.replace(plan, items=[item for item in plan.items if item not in direct])
+
+    def _read_rows(self, items: list[ReadItem]) -> None:
+        """Read ``items`` (rows of tables, a chunk's parts side by side) into one reused buffer
+        per entry and hand each to its table: a chunk is in the store before the next is read."""
+        buffers: dict[str, torch.Tensor] = {}
+        for item in sorted(items, key=lambda i: (self._tables[i.dest_index.fqn].base, i.dest_offsets[0])):
+            fqn = item.dest_index.fqn
+            table = self._tables[fqn]
+            dtype, shape = table.dtypes[fqn], list(item.lengths)
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            if fqn not in buffers or buffers[fqn].numel() < nbytes:
+                buffers[fqn] = torch.empty(nbytes, dtype=torch.uint8)
+            out = buffers[fqn][:nbytes].view(dtype).view(shape)
+            self._files.read_rows(self._files.span(item.storage_index), item.storage_offsets[0], out)
+            table.receive(table.parts[fqn], (item.dest_offsets[0], item.lengths[0]), out)
+
+    def resolve_tensor(self, read_item):
+        table = self._tables.get(read_item.dest_index.fqn)
+        if table is None or read_item.dest_index.fqn not in table.parts:
+            return super().resolve_tensor(read_item)  # ordinary entries, clock and counters
+        return torch.empty(list(read_item.lengths), dtype=table.dtypes[read_item.dest_index.fqn])
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        fqn = read_item.dest_index.fqn
+        table = self._tables.get(fqn)
+        if table is None:
+            return super().commit_tensor(read_item, tensor)
+        if fqn not in table.parts:  # clock or counters, read in full into state_dict[fqn]
+            return table.receive_history(fqn, tensor.shape[0])
+        table.receive(table.parts[fqn], (read_item.dest_offsets[0], read_item.lengths[0]), tensor)

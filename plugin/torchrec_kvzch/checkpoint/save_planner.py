@@ -1,0 +1,107 @@
+"""The DCP save planner for state dicts holding KV-ZCH tables: a thin subclass of DCP's default.
+
+KV-ZCH entries arrive already cut into chunks (one local shard per
+``checkpoint_chunk_rows`` rows), so DCP plans them like any sharded tensor; the planner only
+materialises each chunk when the writer asks for it. It records in the checkpoint's metadata
+what a load needs to place rows by id: each table's geometry, optimizer and rows per rank, and
+the checksum side files (``integrity.py``) holding a checksum of every item written. That
+record is plain Python data (dicts, lists, str, int, bool) under one key of DCP's
+``planner_data`` (beside DCP's own flattening mappings), so that the ``.metadata`` file unpickles
+with torch alone. Snapshots frozen for an async save (``staging.py``) are released as soon as
+their last chunk has been materialised.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+
+import torch.distributed as dist
+from fbgemm_gpu.tbe.ssd.utils.partially_materialized_tensor import PartiallyMaterializedTensor
+from torch.distributed.checkpoint import DefaultSavePlanner
+
+from torchrec_kvzch.checkpoint.buffers import ChunkBuffers
+from torchrec_kvzch.checkpoint.integrity import ChecksumRecorder, checksum_file
+from torchrec_kvzch.checkpoint.record import FORMAT, PLANNER_DATA_KEY, SavedTable
+from torchrec_kvzch.table.layout import RowPart
+from torchrec_kvzch.torchrec.state_dict import kv_view
+
+
+class KVZCHSavePlanner(DefaultSavePlanner):
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        if PLANNER_DATA_KEY in self.state_dict:
+            raise ValueError(f"the state dict to save has a key '{PLANNER_DATA_KEY}', which "
+                             "KVZCHSavePlanner keeps for its record in the checkpoint's metadata; "
+                             "rename that entry")
+        directory = getattr(storage_meta, "checkpoint_id", None)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._checksums = (ChecksumRecorder(str(directory), rank, is_coordinator)
+                           if directory is not None else None)
+        self._unwritten: Counter = Counter()  # snapshot -> its chunks not materialised yet
+        self._items_left = 0
+        self._lock = threading.Lock()  # writers resolve items from several threads
+        self._buffers = ChunkBuffers(native=any(v.store.native for obj in self.state_dict.values()
+                                                if (v := kv_view(obj)) is not None))
+
+    def finish_plan(self, new_plan):
+        plan = super().finish_plan(new_plan)
+        snapshots = {v.snapshot for obj in self.state_dict.values() if (v := kv_view(obj)) is not None}
+        for item in plan.items:
+            chunk = self.lookup_object(item.index)
+            if isinstance(chunk, PartiallyMaterializedTensor):
+                self._unwritten[chunk.wrapped.snapshot] += 1
+        for snapshot in snapshots - set(self._unwritten):
+            snapshot.release()  # nothing of it to write on this rank (a no-op unless frozen)
+        self._items_left = len(plan.items)
+        if not self._items_left:
+            self._finish_checksums()
+        return plan
+
+    def resolve_data(self, write_item):
+        obj = self.lookup_object(write_item.index)
+        snapshot = None
+        if isinstance(obj, PartiallyMaterializedTensor):  # this chunk only, into a reused buffer
+            view, snapshot = obj.wrapped, obj.wrapped.snapshot
+            data = (view.read_into(self._buffers.take(view.shape, view.dtype))
+                    if view.store.device.type == "cpu" else view.full_tensor().cpu())
+        else:
+            data = super().resolve_data(write_item)
+        if self._checksums is not None:
+            self._checksums.add(write_item.index, data)
+        with self._lock:
+            if snapshot is not None:
+                self._unwritten[snapshot] -= 1
+                if self._unwritten[snapshot] == 0:
+                    del self._unwritten[snapshot]
+                    snapshot.release()
+            self._items_left -= 1
+            if self._items_left == 0:
+                self._finish_checksums()
+                self._buffers.close()
+        return data
+
+    def _finish_checksums(self) -> None:
+        if self._checksums is not None:
+            self._checksums.write()
+
+    def create_global_plan(self, all_plans):
+        plans, metadata = super().create_global_plan(all_plans)
+        tables = {}
+        for fqn, obj in self.state_dict.items():
+            view = kv_view(obj)
+            if view is not None and view.part in (RowPart.ROW, RowPart.WEIGHT):
+                shards = obj.metadata().shards_metadata  # every rank has >= 1 (maybe empty) chunk
+                world = 1 + max(s.placement.rank() for s in shards)
+                rows = [sum(s.shard_sizes[0] for s in shards if s.placement.rank() == r)
+                        for r in range(world)]
+                tables[fqn] = SavedTable.of(view.store.params, rows).to_plain(view.shape[1])
+        # Side files need a local folder (the writer has created it while planning).
+        local = self._checksums is not None and os.path.isdir(self._checksums.directory)
+        files = [checksum_file(r) for r in range(len(all_plans))] if local else []
+        # (A cached plan's metadata already holds a record: replaced, not wrapped.)
+        mappings = {k: v for k, v in (metadata.planner_data or {}).items() if k != PLANNER_DATA_KEY}
+        mappings[PLANNER_DATA_KEY] = {"format": FORMAT, "tables": tables, "checksum_files": files}
+        metadata.planner_data = mappings
+        return plans, metadata

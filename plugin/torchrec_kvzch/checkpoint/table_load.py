@@ -1,0 +1,91 @@
+"""One table shard's part in a streamed load: which saved rows are its own, and how the
+parts of a saved chunk come together before they enter the store (through the KV tensor)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+from torchrec_kvzch.params import KVZCHTableParams
+from torchrec_kvzch.table.kv_tensor import KVTensor
+from torchrec_kvzch.table.layout import RowLayout, RowPart
+from torchrec_kvzch.torchrec.state_dict import newest_timestamp
+
+
+class TableLoad:
+    """One table shard's load: its slice ``[begin, end)`` of the saved rows, the entries that
+    stream into it, and (split layout) each chunk's parts until all of them have arrived."""
+
+    def __init__(self, store, base: str, saved: KVZCHTableParams, layout: RowLayout,
+                 optimizer: bool, upstream: bool = False) -> None:
+        self.store, self.base, self.saved, self.optimizer = store, base, saved, optimizer
+        self.name = store.params.name
+        self.split = not store.params.backend_return_whole_row
+        self.upstream = upstream  # saved by upstream TorchRec: no history, clock from headers
+        self.layout = layout  # the saved rows' layout
+        self.begin = self.end = 0
+        self.parts: dict[str, RowPart] = {}  # fqn -> the part its rows are
+        self.dtypes: dict[str, torch.dtype] = {}  # fqn -> saved dtype
+        self.skipped: list[str] = []  # entries read for nothing (still verified)
+        self.pending: dict[tuple[int, int], dict[RowPart, torch.Tensor]] = {}  # split chunks
+        self.history: dict[str, torch.Tensor] = {}  # clock / counters fqn -> read in full here
+        self.arrived: Counter = Counter()  # clock / counters fqn -> rows arrived
+        empty = torch.empty(0, dtype=torch.long)
+        self._loaders = {part: KVTensor(store, part, ids=empty) for part in RowPart if part is not RowPart.ID}
+
+    def receive_history(self, fqn: str, rows: int) -> None:
+        """Rows of the clock or counters arrived (into ``history[fqn]``); once both are
+        complete, they go into the store."""
+        self.arrived[fqn] += rows
+        if all(self.arrived[f] == len(t) for f, t in self.history.items()):
+            clock, counters = (self.history[self.base + n] for n in ("clock", "counters"))
+            self.store.restore_history(int(clock[0]), counters, self.saved.bucket_size)
+
+    def receive(self, part: RowPart, key: tuple[int, int], tensor: torch.Tensor) -> None:
+        """Saved rows ``key = (first row, rows)`` of one part arrived."""
+        if not self.split:
+            self._loaders[RowPart.ROW].load(tensor, layout=self.layout, optimizer=self.optimizer)
+            if self.upstream:
+                self._advance_clock(self.layout.unpack(tensor)[1])
+            return
+        chunk = self.pending.setdefault(key, {})
+        chunk[part] = tensor
+        if len(chunk) == len(set(self.parts.values())):
+            self._apply(self.pending.pop(key))
+
+    def _apply(self, chunk: dict[RowPart, torch.Tensor]) -> None:
+        ids = chunk[RowPart.ID].reshape(-1)
+        for part in (RowPart.WEIGHT, RowPart.META, RowPart.OPTIMIZER):  # weights create the rows
+            if part in chunk:
+                self._loaders[part].load(chunk[part].reshape(ids.numel(), -1), ids)
+        if self.upstream and RowPart.META in chunk:
+            self._advance_clock(chunk[RowPart.META].reshape(-1))
+
+    def _advance_clock(self, meta: torch.Tensor) -> None:
+        self.store.clock = max(self.store.clock, newest_timestamp(meta))
+
+
+class RowSink:
+    """The destination of a streamed load as DCP sees it: saved rows ``[begin, end)`` of a
+    tensor of ``size`` (DCP's ``_Checkpointable`` protocol, as DTensor uses). The rows arrive
+    chunk by chunk through ``commit_tensor``; nothing is allocated for the range."""
+
+    def __init__(self, size: torch.Size, begin: int, end: int) -> None:
+        self._size, self.begin, self.end = torch.Size(size), begin, end
+
+    def size(self) -> torch.Size:
+        return self._size
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        if self.end == self.begin:
+            return []
+        rest = list(self._size[1:])
+        return [ChunkStorageMetadata(offsets=torch.Size([self.begin] + [0] * len(rest)),
+                                     sizes=torch.Size([self.end - self.begin] + rest))]
+
+
+def overlaps(a, b) -> bool:
+    """Whether two bucket ranges (of possibly different bucket sizes) share an id."""
+    return a.id_start < b.id_end and b.id_start < a.id_end

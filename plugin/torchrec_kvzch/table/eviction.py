@@ -1,0 +1,352 @@
+"""Eviction: which rows a table shard drops, decided from the rows' metaheaders.
+
+The store calls ``Evictor.before_insert(ids)`` in each training lookup before looking the batch
+up, when no fused update is pending (a delete moves rows between slots). Three triggers:
+
+* a pass of the policy's rule (``ttl``, ``lfu``, ``l2``) when its trigger says so (every
+  ``interval_steps`` steps of the store's clock by default; past a row count or a byte size;
+  below an amount of free host memory; or only on request, ``run_pass``): ``ttl`` drops rows
+  not touched for more than ``ttl_steps`` steps or ``ttl_minutes`` minutes; ``lfu`` first decays
+  every row's access count (``count := floor(count * count_decay)``), then drops rows whose
+  count is below ``count_threshold`` (with a TTL: only those also past it); ``l2`` drops rows
+  whose weights' L2 norm is below ``l2_threshold``. Headers count time in steps; for a
+  wall-clock TTL the evictor notes when steps happened (``time_source``, injectable for tests,
+  one note a second at most) and finds the last step older than the TTL;
+* the table's budget (``max_rows``, ``max_bytes`` per table shard): when the batch's new rows
+  would take the shard past it, the least valuable rows go first - oldest timestamp for ``lru``
+  and ``ttl``, lowest count (then oldest) for ``lfu``, ties by ascending id - down to 1/64 below
+  the budget, so that the next batches do not each pay for a selection;
+* a rank's budget (``SharedBudget`` over a ``RankBudget``), shared by several stores: the same,
+  over the rows of all of them, in the budget's order (ties by store, then id). A store whose
+  fused update is pending (looked up earlier in this step) cannot lose rows now - a delete
+  would move rows under the update - so its share of the chosen rows stays until its next
+  forward, which finds the rank still past the budget and evicts them then.
+
+Rows of the batch being looked up are never evicted for it; if they alone exceed a budget the
+shard (or rank) goes past it by at most that batch. Every decision depends on the rows and the
+clock only, never on whether a checkpoint is being written: a frozen snapshot copies the rows
+an eviction removes, and ``lfu`` decay, which rewrites every header, first has it keep the
+header words (8 bytes a row, once per freeze), not whole rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from torchrec_kvzch.params import EvictionKind, EvictionPolicy, EvictionTrigger, RankBudget
+from torchrec_kvzch.table.id_map import as_ids
+from torchrec_kvzch.table.layout import (
+    meta_count,
+    meta_count_then_timestamp,
+    meta_timestamp,
+    meta_timestamp_view,
+    with_count,
+)
+
+# Peak scratch of one eviction, per live row: two masks, the order keys and their candidate copy
+# (int64 for lfu, which the budget accounting assumes for every order).
+SCRATCH_BYTES_PER_ROW = 1 + 1 + 8 + 8
+
+
+def budget_bytes(store, rows: int) -> int:
+    """What ``rows`` rows of ``store`` count against a byte budget, a table's or a rank's: the
+    store's upper bound with its arrays reserved (``RowStore.estimated_bytes``)."""
+    return store.estimated_bytes(store.layout, rows, reserved=True)
+
+
+def budget_rows(policy: EvictionPolicy | RankBudget, bytes_for_rows) -> int | None:
+    """The row budget of a policy: ``max_rows``, and/or the most rows whose memory
+    (``bytes_for_rows(rows)``, the store's upper bound) fits ``max_bytes``."""
+    limits = [policy.max_rows] if policy.max_rows is not None else []
+    if policy.max_bytes is not None:
+        low, high = 0, 1
+        while bytes_for_rows(high) <= policy.max_bytes:
+            low, high = high, high * 2
+        while high - low > 1:  # bytes_for_rows grows with rows: bisect the largest that fits
+            mid = (low + high) // 2
+            low, high = (mid, high) if bytes_for_rows(mid) <= policy.max_bytes else (low, mid)
+        limits.append(low)
+    return min(limits) if limits else None
+
+
+def order_key(meta: torch.Tensor, order: EvictionKind) -> torch.Tensor:
+    """Per row, a key that is smaller for rows that should go first: the count then the
+    timestamp for ``lfu``, the timestamp otherwise."""
+    if order is EvictionKind.LFU:
+        return meta_count_then_timestamp(meta)
+    return meta_timestamp_view(meta)
+
+
+def least_valuable(stores: Sequence, candidates: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
+                   enough: Callable[[list[int]], bool]) -> list[torch.Tensor]:
+    """The rows to evict from several stores: the shortest prefix of the candidate rows, in order
+    of (key, store, id), whose removal makes ``enough(rows removed per store)`` true (all of
+    them when even that is not enough). Returns a mask per store.
+
+    ``enough`` must be monotone (removing more never hurts), so the cut-off key is found by
+    bisection over key values, each step counting rows below it with one vectorised pass per
+    store, and the ties at the cut-off go by store, then ascending id."""
+    pools = [key[mask] for key, mask in zip(keys, candidates)]
+    if enough([0] * len(stores)) or not any(p.numel() for p in pools):
+        return [torch.zeros_like(mask) for mask in candidates]
+    if not enough([p.numel() for p in pools]):
+        return [mask.clone() for mask in candidates]
+    low = min(int(p.min()) for p in pools if p.numel())
+    high = max(int(p.max()) for p in pools if p.numel())
+    while low < high:  # the smallest key c such that removing every row with key <= c is enough
+        mid = (low + high) // 2
+        if enough([int((p <= mid).sum()) for p in pools]):
+            high = mid
+        else:
+            low = mid + 1
+    below = [int((p < low).sum()) for p in pools]
+    del pools
+    ties = [0] * len(stores)
+    for j, key in enumerate(keys):  # ties at the cut-off: store by store, as few as needed
+        tied = int((candidates[j] & (key == low)).sum())
+        removed = [below[i] + ties[i] for i in range(len(stores))]
+        removed[j] += tied
+        if not enough(removed):
+            ties[j] = tied
+            continue
+        fewest, most = 0, tied
+        while fewest < most:
+            mid = (fewest + most) // 2
+            removed[j] = below[j] + mid
+            fewest, most = (fewest, mid) if enough(removed) else (mid + 1, most)
+        ties[j] = fewest
+        break
+    chosen = []
+    for store, mask, key, take in zip(stores, candidates, keys, ties):
+        picked = mask & (key < low)
+        if take:
+            tied = torch.nonzero(mask & (key == low)).view(-1)
+            ids = store.keys()[tied]
+            picked[tied[torch.topk(ids, take, largest=False).indices]] = True
+        chosen.append(picked)
+    return chosen
+
+
+class Evictor:
+    """The eviction of one store: its table's policy, and the rank budget it shares, if any."""
+
+    def __init__(self, store, budget: "SharedBudget | None" = None) -> None:
+        self.store = store
+        self.policy = store.params.eviction
+        self.kind = EvictionKind(self.policy.kind)
+        self.max_rows = budget_rows(self.policy, lambda rows: budget_bytes(store, rows))
+        self.shared: SharedBudget | None = None  # set by SharedBudget._register
+        if budget is not None:
+            budget._register(store, self)
+        self.time_source: Callable[[], float] = time.time  # seconds; for ttl_minutes
+        self.available_memory: Callable[[], int] = _available_memory  # bytes; free_memory trigger
+        self._step_times: collections.deque = collections.deque()  # (step, seconds), ascending
+
+    def before_insert(self, ids: torch.Tensor) -> int:
+        """Run a due pass, then make room for the batch ``ids`` under the table's budget and the
+        rank's; returns the number of rows evicted from this store and others."""
+        evicted = self._own_policy(ids) if self.kind is not EvictionKind.NONE else 0
+        if self.shared is not None:
+            evicted += self.shared.make_room(self.store, ids)
+        return evicted
+
+    def remove(self, doomed: torch.Tensor) -> int:
+        """Evict the rows of the mask ``doomed`` (one entry per live slot)."""
+        victims = torch.nonzero(doomed).view(-1)
+        if victims.numel():
+            self.store.evict(victims)
+        return victims.numel()
+
+    def run_pass(self) -> int:
+        """Run the policy's pass now (``trigger="manual"``, or between steps for any trigger);
+        returns the rows evicted. Refused while a fused update of this store is pending."""
+        if self.store.pending_update is not None:
+            raise RuntimeError(f"KV-ZCH table '{self.store.params.name}': an eviction pass cannot run "
+                               "between a forward and its backward; run it after the step")
+        if self.kind not in _PASS_KINDS:
+            return 0
+        self._note_time()
+        return self.remove(self._expired())
+
+    def _own_policy(self, ids: torch.Tensor) -> int:
+        store = self.store
+        ids = as_ids(ids, store.device, check=False)  # range: checked by find
+        present = store.find(ids)
+        protected = _batch_rows(store, present)
+        doomed = torch.zeros_like(protected)
+        self._note_time()
+        if self.kind in _PASS_KINDS and self._pass_due():
+            doomed |= self._expired() & ~protected
+        if self.max_rows is not None:
+            new = _new_rows(ids, present)
+            survivors = len(store) - int(doomed.sum())
+            if survivors + new > self.max_rows:
+                target = self.max_rows - self.max_rows // 64
+                order = EvictionKind.LFU if self.kind is EvictionKind.LFU else EvictionKind.LRU
+                key = order_key(store.meta[: len(store)], order)
+                [extra] = least_valuable([store], [~(protected | doomed)], [key],
+                                         lambda removed: survivors - removed[0] + new <= target)
+                doomed |= extra
+        return self.remove(doomed)
+
+    def _pass_due(self) -> bool:
+        policy, store = self.policy, self.store
+        trigger = policy.trigger
+        if trigger is EvictionTrigger.INTERVAL:
+            return store.clock % policy.interval_steps == 0
+        if trigger is EvictionTrigger.ROWS:
+            return len(store) > policy.trigger_rows
+        if trigger is EvictionTrigger.BYTES:
+            return budget_bytes(store, len(store)) > policy.trigger_bytes
+        if trigger is EvictionTrigger.FREE_MEMORY:
+            return (store.clock % policy.interval_steps == 0
+                    and self.available_memory() < policy.free_memory_bytes)
+        return False  # manual
+
+    def _expired(self) -> torch.Tensor:
+        """The pass's verdict per live row (``lfu``: after decaying the counts)."""
+        store, policy = self.store, self.policy
+        meta = store.meta[: len(store)]
+        if self.kind is EvictionKind.L2:
+            return store.weights[: len(store)].float().norm(dim=1) < policy.l2_threshold
+        if self.kind is EvictionKind.TTL:
+            return self._past_ttl(meta)
+        if policy.count_decay < 1.0:
+            count = (meta_count(meta).double() * policy.count_decay).floor().long()
+            store.before_header_rewrite()
+            meta.copy_(with_count(meta, count))
+        rare = meta_count(meta) < policy.count_threshold
+        if policy.ttl_steps is None and policy.ttl_minutes is None:
+            return rare
+        return rare & self._past_ttl(meta)
+
+    def _past_ttl(self, meta: torch.Tensor) -> torch.Tensor:
+        stamps = meta_timestamp(meta)
+        if self.policy.ttl_steps is not None:
+            return self.store.clock - stamps > self.policy.ttl_steps
+        return stamps < self._last_expired_step()
+
+    def _note_time(self) -> None:
+        """Remember when this step happened (wall-clock TTL only), at most once a second; drop
+        the notes no cut-off can need any more (all but the newest one past the TTL)."""
+        if self.policy.ttl_minutes is None:
+            return
+        now, notes = self.time_source(), self._step_times
+        if not notes or now - notes[-1][1] >= 1.0:
+            notes.append((self.store.clock, now))
+        cutoff = now - self.policy.ttl_minutes * 60.0
+        while len(notes) > 1 and notes[1][1] < cutoff:
+            notes.popleft()
+
+    def _last_expired_step(self) -> int:
+        """Rows stamped before the returned step were last touched more than ``ttl_minutes``
+        ago. A step is as old as the newest note at or before it; rows from before the first
+        note (e.g. loaded from a checkpoint) count as touched at the first note."""
+        cutoff = self.time_source() - self.policy.ttl_minutes * 60.0
+        notes = self._step_times
+        if not notes or notes[0][1] >= cutoff:
+            return -1
+        fresh = [step for step, seconds in notes if seconds >= cutoff]
+        return fresh[0] if fresh else self.store.clock + 1
+
+
+class SharedBudget:
+    """A ``RankBudget`` over the stores attached to it: all KV-ZCH table shards of a rank
+    (``kvzch_sharders(rank_budget=...)`` attaches every store it shards). Stores are held weakly,
+    so the tables of a dropped model leave the budget."""
+
+    def __init__(self, budget: RankBudget) -> None:
+        if not isinstance(budget, RankBudget):
+            raise TypeError(f"SharedBudget needs a RankBudget, got {type(budget).__name__}")
+        self.budget = budget
+        self._stores: list[weakref.ref] = []
+
+    def _register(self, store, evictor: Evictor) -> None:
+        """Put ``store`` (being built, with ``evictor``) under this budget. On CPU its row arrays
+        are reserved for as many rows as the whole budget holds of its rows (address space
+        only), so it never grows by copying."""
+        if evictor.shared is not None:
+            raise ValueError(f"table '{store.params.name}': this store is already under a rank budget")
+        evictor.shared = self
+        self._stores.append(weakref.ref(store))
+        if store.device.type == "cpu":  # at most the machine's memory: a larger mapping may be refused
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            most = dataclasses.replace(self.budget, max_bytes=min(self.budget.max_bytes or physical, physical))
+            store.reserve(budget_rows(most, lambda rows: budget_bytes(store, rows)), id_map=False)
+
+    @property
+    def stores(self) -> list:
+        """The live stores under the budget, in the order they were attached."""
+        alive = [(ref, ref()) for ref in self._stores]
+        self._stores = [ref for ref, store in alive if store is not None]
+        return [store for _, store in alive if store is not None]
+
+    def usage(self) -> dict[str, int]:
+        """Rows and counted bytes over all stores under the budget."""
+        stores = self.stores
+        return {"rows": sum(len(s) for s in stores), "bytes": sum(budget_bytes(s, len(s)) for s in stores)}
+
+    def make_room(self, store, ids: torch.Tensor) -> int:
+        """Evict from the stores under the budget so that the new rows of ``ids`` in ``store``
+        fit; returns the rows evicted (from any store)."""
+        stores = self.stores
+        if store not in stores:
+            raise ValueError(f"table '{store.params.name}': this store is not under the rank budget")
+        ids = as_ids(ids, store.device, check=False)  # range: checked by find
+        present = store.find(ids)
+        new = _new_rows(ids, present)
+        at, budget = stores.index(store), self.budget
+
+        def over(removed: list[int], slack: bool) -> bool:
+            """Past the budget (``slack``: past 1/64 below it) after removing and inserting."""
+            rows = [len(s) - r + (new if i == at else 0) for i, (s, r) in enumerate(zip(stores, removed))]
+            used = []
+            if budget.max_rows is not None:
+                used.append((sum(rows), budget.max_rows))
+            if budget.max_bytes is not None:
+                used.append((sum(map(budget_bytes, stores, rows)), budget.max_bytes))
+            return any(total > limit - (limit // 64 if slack else 0) for total, limit in used)
+
+        if not over([0] * len(stores), slack=False):
+            return 0
+        protected = _batch_rows(store, present)
+        candidates = [~protected if s is store else torch.ones(len(s), dtype=torch.bool, device=s.device)
+                      for s in stores]
+        keys = [order_key(s.meta[: len(s)], budget.order) for s in stores]
+        doomed = least_valuable(stores, candidates, keys, lambda removed: not over(removed, slack=True))
+        # Rows chosen in a store whose fused update is pending stay until its next forward.
+        return sum(s.evictor.remove(mask) for s, mask in zip(stores, doomed)
+                   if s is store or s.pending_update is None)
+
+
+_PASS_KINDS = (EvictionKind.TTL, EvictionKind.LFU, EvictionKind.L2)
+
+
+def _available_memory() -> int:
+    """The host's available memory in bytes (``MemAvailable``; free pages where unknown)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _batch_rows(store, present: torch.Tensor) -> torch.Tensor:
+    """Mask over the live slots of the rows the batch looks up (never evicted for it)."""
+    protected = torch.zeros(len(store), dtype=torch.bool, device=store.device)
+    protected[present[present >= 0]] = True
+    return protected
+
+
+def _new_rows(ids: torch.Tensor, present: torch.Tensor) -> int:
+    return int(torch.unique(ids[present < 0]).numel()) if ids.numel() else 0

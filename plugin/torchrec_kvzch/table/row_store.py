@@ -1,0 +1,398 @@
+"""The DRAM row store of one table shard: rows created on demand for each global id.
+
+Physically the parts of a row live in separate arrays indexed by the id map's dense slots:
+``weights [capacity, D]`` (contiguous, so fbgemm's TBE can index it directly), ``optimizer
+[capacity, F]`` fp32 and ``meta [capacity]`` int64 (timestamp, count, used). The header key is the
+id map's ``slot -> id`` array, stored once. Capacity grows and shrinks geometrically with the
+live rows, never with the virtual table size.
+
+Reads and writes address a ``RowPart``: the weight, the optimizer state, or the whole row in the
+upstream layout (``layout.py``). Whole-row writes take each row's id from its header and skip
+rows whose used bit is 0.
+
+Training goes through ``lookup_for_update``: it advances the store's clock, runs eviction
+(``eviction.py``: the table's policy and the rank budget the store was built under), and finds or
+creates the batch's rows. The fused update that fbgemm's TBE writes into the rows in backward is
+announced with ``expect_update`` and ``update_started``: in between, no row may move (no
+eviction, no growth), and a frozen snapshot copies the rows it will change.
+
+Checkpoints read rows through snapshots (``snapshot.py``, which registers frozen ones with
+``pin``). While a snapshot is frozen, every method here that changes rows first lets it copy them
+aside (``preserve``); a frozen snapshot may be read from another thread, so array swaps (growth,
+shrinking, clear) happen under ``lock``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from torchrec_kvzch.params import BucketRange, KVZCHTableParams
+from torchrec_kvzch.table.arrays import RowArrays
+from torchrec_kvzch.table.eviction import SCRATCH_BYTES_PER_ROW, Evictor, SharedBudget
+from torchrec_kvzch.table.history import EVICTED, INSERTED, BucketHistory
+from torchrec_kvzch.table.id_map import IdMap, IdOutOfRange, as_ids, map_bytes
+from torchrec_kvzch.table.initializer import fill_uniform_by_id
+from torchrec_kvzch.table.layout import RowLayout, RowPart, make_meta, meta_used, touch_meta
+
+_GROWTH = 1.5
+_MIN_ROWS = 1024
+# Rows of address space mapped per array, so that growth up to it is in place (no copy, no peak
+# of two arrays); only written rows cost memory.
+_RESERVED_ROWS = 1 << 24
+
+
+class RowStore:
+    def __init__(
+        self,
+        params: KVZCHTableParams,
+        bucket_range: BucketRange | None = None,
+        device: torch.device | str = "cpu",
+        backend: str = "auto",
+        initial_rows: int = 0,
+        budget: SharedBudget | None = None,
+    ) -> None:
+        """``bucket_range``: the buckets this shard owns; ids outside it are rejected.
+        ``initial_rows``: capacity to reserve up front (e.g. the planner's expected rows).
+        ``budget``: the rank's memory budget this store shares with the rank's other shards."""
+        self.params = params
+        self.layout = RowLayout.for_table(params)
+        self.bucket_range = bucket_range or BucketRange(0, params.total_num_buckets,
+                                                        params.bucket_size)
+        self.device = torch.device(device)
+        self.id_map = IdMap(backend, self.device)
+        self.native = self.id_map.backend.name == "native"  # same choice for arrays, init, touch
+        self.clock = 0  # training steps seen; stamped into the headers find_or_insert touches
+        self.epoch = 0  # bumped whenever rows change slots (delete, clear): snapshots check it
+        self.lock = threading.RLock()
+        self._pending: torch.Tensor | None = None  # slots the announced fused update will write
+        self._frozen: tuple = ()  # copy-on-write states of frozen snapshots (see snapshot.py)
+        self.history = BucketHistory(self.bucket_range)  # rows inserted and evicted, by bucket
+        self._reserved = 0  # capacity reserved up front: deletes never shrink below it
+        self._alloc(_MIN_ROWS)
+        self.evictor = Evictor(self, budget)
+        if self.evictor.max_rows is not None:  # a budget: room for it now, never a growth copy
+            initial_rows = self.evictor.max_rows
+        if initial_rows:
+            self.reserve(initial_rows)
+
+    # -- sizes --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.id_map)
+
+    @property
+    def capacity(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def arrays(self) -> RowArrays:
+        return RowArrays(self.weights, self.optimizer, self.meta)
+
+    @property
+    def nbytes(self) -> int:
+        return self.arrays.nbytes + self.id_map.nbytes
+
+    def keys(self) -> torch.Tensor:
+        """The live ids, indexed by slot (a view: copy it before changing the store)."""
+        return self.id_map.keys()
+
+    @property
+    def inserted(self) -> int:
+        return self.history.inserted
+
+    @property
+    def evicted(self) -> int:
+        return self.history.evicted
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """What the progress bar and benchmarks show: live rows, rows ever inserted and
+        evicted, bytes held."""
+        return {"rows": len(self), "inserted": self.inserted, "evicted": self.evicted,
+                "bytes": self.nbytes}
+
+    @staticmethod
+    def estimated_bytes(layout: RowLayout, rows: int, reserved: bool = False) -> int:
+        """Upper bound on what a store holding ``rows`` rows occupies: row arrays and the slot
+        array at their largest growth slack, plus the hash table (what the planner counts).
+        ``reserved``: arrays reserved up front (a budget), so no growth slack; instead the peak
+        working memory counts - a second hash table while tombstones are rehashed away, and
+        eviction's per-row scratch (``eviction.py``)."""
+        if reserved:
+            return rows * (layout.stored_bytes + SCRATCH_BYTES_PER_ROW) + map_bytes(rows, rehash=True)
+        return int(rows * layout.stored_bytes * _GROWTH) + map_bytes(rows, _GROWTH)
+
+    # -- training -----------------------------------------------------------------------------
+    def lookup_for_update(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slots of a training batch: one step of the clock, eviction when no fused update
+        is pending (a delete moves rows), then ``find_or_insert``. Under a pending update the
+        store must not grow either (the update would land in the dropped arrays): refused."""
+        if self._pending is not None and len(self) + ids.numel() > self.capacity:
+            raise RuntimeError(
+                f"KV-ZCH table '{self.params.name}': a second forward before the backward of the "
+                "first would have to grow the row store, which would drop the pending fused "
+                "update; run backward between forwards, or reserve capacity up front "
+                "(RowStore.reserve / the planner's expected_rows)")
+        self.clock += 1
+        if self._pending is None:
+            self.evictor.before_insert(ids)
+        return self.find_or_insert(ids)
+
+    def expect_update(self, slots: torch.Tensor) -> None:
+        """A fused update will write the rows at ``slots`` (the last forward's only: outputs
+        dropped without a backward must not pile up); a snapshot frozen until then copies them."""
+        self._pending = slots
+
+    def update_started(self) -> None:
+        """The announced update is being applied now (its gradient has arrived)."""
+        self._pending = None
+
+    @property
+    def pending_update(self) -> torch.Tensor | None:
+        """The slots of the announced fused update, or None."""
+        return self._pending
+
+    # -- id -> slot ---------------------------------------------------------------------------
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots of ids, -1 where absent. Touches nothing; ids outside the shard are refused."""
+        return self._mapped(self.id_map.find, ids)
+
+    def find_or_insert(self, ids: torch.Tensor, touch: bool = True) -> torch.Tensor:
+        """Slots of ids; absent ids get new rows (id-seeded weights, zero optimizer state,
+        header written). With ``touch`` (a lookup) the rows' timestamps become ``clock``, their
+        counts grow by the number of occurrences, and new rows count as inserted; without it
+        (writes, loads) rows change nothing else."""
+        old = len(self)
+        slots = self._mapped(self.id_map.find_or_insert, ids)
+        if len(self) > old:
+            self._init_rows(old, len(self))
+            if touch:
+                self.history.count(INSERTED, self.keys()[old:])
+        if touch and slots.numel():
+            self._before_change(slots)
+            touch_meta(self.meta, slots, self.clock, self.native)
+        return slots
+
+    def delete(self, ids: torch.Tensor) -> int:
+        """Remove the rows of ids (absent ids are ignored); returns how many were removed."""
+        before = len(self)
+        if self._frozen:  # the deleted rows, and the tail rows compaction moves into their slots
+            found = torch.unique(self.find(ids))
+            found = found[found >= 0]
+            tail = torch.arange(before - found.numel(), before, device=self.device)
+            self._before_change(torch.cat([found, tail]))
+        moves = self.id_map.erase(ids)
+        self.epoch += 1
+        self.arrays.assign(moves.dst, self.arrays, moves.src)
+        floor = max(_MIN_ROWS, self._reserved)
+        if moves.new_size * 4 < self.capacity and self.capacity > floor:
+            self._resize(max(floor, int(moves.new_size * _GROWTH)), keep=moves.new_size)
+        else:  # the dead tail's memory goes back without a copy
+            self.arrays.release(moves.new_size, before, self.native)
+        return before - len(self)
+
+    def evict(self, slots: torch.Tensor) -> None:
+        """Delete the rows at ``slots``, counting them as evicted (eviction's way out)."""
+        ids = self.keys()[slots].clone()
+        self.delete(ids)
+        self.history.count(EVICTED, ids)
+
+    # -- reads --------------------------------------------------------------------------------
+    def read(self, slots: torch.Tensor, part: RowPart = RowPart.WEIGHT, *,
+             keys: torch.Tensor | None = None, arrays: RowArrays | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows at live slots, as ``part``. ``arrays``: read these instead of the live ones
+        (then ``keys``, the rows' ids, are needed for whole rows and ids). ``out``: a contiguous
+        tensor of the result's shape and dtype to fill and return (a save reuses one per chunk:
+        a fresh tensor per chunk costs a page fault per 4 KiB written)."""
+        slots = slots.reshape(-1).long()
+        keys = self.id_map.slot_keys[slots] if keys is None else keys
+        return (arrays or self.arrays).read(slots, RowPart(part), keys, self.layout, self.native, out)
+
+    def read_ids(self, ids: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> torch.Tensor:
+        """Rows of ids; an absent id reads as zeros (as a whole row: key = id, used bit 0)."""
+        ids = as_ids(ids, self.device)
+        slots = self.find(ids)
+        hit = slots >= 0
+        if bool(hit.all()):  # the common case (checkpoint chunks): one gather, no mask
+            return self.read(slots, part)
+        out = torch.zeros(ids.numel(), self.layout.width(part), dtype=self.layout.part_dtype(part),
+                          device=self.device)
+        out[hit] = self.read(slots[hit], part)
+        if RowPart(part) is RowPart.ROW:  # an absent row's header: its id, used bit 0
+            missing = ids[~hit]
+            header = torch.stack([missing, torch.zeros_like(missing)], dim=1)
+            out[~hit, : self.layout.header_width] = header.view(self.layout.dtype)
+        return out
+
+    def peek(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weights of ids changing nothing: a live row's weights, else the id-seeded weights
+        the row would start with (what evaluation looks up)."""
+        ids = as_ids(ids, self.device, check=False)  # range: checked by the lookup
+        slots = self.find(ids)
+        out = self.weights[slots.clamp(min=0)]
+        missing = torch.nonzero(slots < 0).view(-1)
+        if missing.numel():
+            fresh = out.new_empty(missing.numel(), out.shape[1])
+            self._initial_weights(fresh, ids[missing])
+            out[missing] = fresh
+        return out
+
+    def pin(self, frozen) -> None:
+        """Start copying rows aside for a frozen snapshot before they change: ``frozen`` gets
+        ``preserve(slots)`` before rows change, ``preserve_headers()`` before every header is
+        rewritten and ``let_go()`` when the arrays are dropped (``snapshot._Frozen``)."""
+        with self.lock:
+            self._frozen = (*self._frozen, frozen)
+
+    def unpin(self, frozen) -> None:
+        with self.lock:
+            self._frozen = tuple(f for f in self._frozen if f is not frozen)
+
+    # -- writes -------------------------------------------------------------------------------
+    def write(self, slots: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
+        """Overwrite ``part`` of live rows at ``slots`` (whole rows: weight, optimizer and the
+        header's meta word; the key is the slot's id and cannot change here)."""
+        part = RowPart(part)
+        if part is RowPart.ID:
+            raise ValueError(f"table '{self.params.name}': ids are keys, not values; "
+                             "write rows by id (write_ids / write_rows) instead")
+        slots = slots.reshape(-1).long()
+        values = self._check_values(values, slots.numel(), part)
+        self._before_change(slots)
+        self.arrays.write(slots, values, part, self.layout, self.native)
+
+    def write_ids(self, ids: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
+        """Write ``part`` of the rows of ids, creating absent rows first. For whole rows the ids
+        must equal the header keys (use ``write_rows`` to take ids from the headers)."""
+        ids = as_ids(ids, self.device, check=False)  # range: checked by the lookup
+        values = self._check_values(values, ids.numel(), RowPart(part))
+        if RowPart(part) is RowPart.ROW:
+            keys = self.layout.unpack(values)[0]
+            if not torch.equal(keys, ids):
+                raise ValueError(f"table '{self.params.name}': whole-row header keys differ from "
+                                 "the ids given; use write_rows to write rows by their header key")
+            self.find(ids)  # refuses ids outside the shard, also of rows write_rows skips (unused)
+            self.write_rows(values)
+            return
+        self.write(self.find_or_insert(ids, touch=False), values, part)
+
+    def write_rows(self, rows: torch.Tensor, layout: RowLayout | None = None,
+                   optimizer: bool = True) -> int:
+        """Write whole rows by the id in each header, creating rows as needed; rows whose used
+        bit is 0 are skipped. Returns the number of rows written. ``layout``: the rows' layout
+        when it is not the store's (saved with another optimizer). With another layout, or
+        without ``optimizer``, only weights and headers are written: new rows' optimizer state
+        starts fresh."""
+        if layout is None or layout == self.layout:
+            rows = self._check_values(rows, rows.shape[0] if rows.dim() else -1, RowPart.ROW)
+            layout = self.layout
+        elif (layout.embedding_dim, layout.dtype) != (self.layout.embedding_dim, self.layout.dtype):
+            raise ValueError(f"table '{self.params.name}': rows of {layout.embedding_dim} x "
+                             f"{layout.dtype} cannot become rows of {self.layout.embedding_dim} x "
+                             f"{self.layout.dtype}")
+        keys, meta = layout.header(rows)
+        used = meta_used(meta)
+        if not bool(used.all()):
+            rows, keys, meta = rows[used], keys[used], meta[used]
+        if keys.numel() == 0:
+            return 0
+        if layout is self.layout and optimizer:
+            self.write(self._slots_to_overwrite(keys), rows, RowPart.ROW)
+        else:
+            slots = self.find_or_insert(keys, touch=False)
+            self.write(slots, layout.unpack(rows)[2], RowPart.WEIGHT)
+            self.write(slots, meta.unsqueeze(1), RowPart.META)
+        return keys.numel()
+
+    def _slots_to_overwrite(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slots of rows about to be written whole, as ``find_or_insert(touch=False)`` gives
+        them, except that new rows are not initialised: every part of them is written next,
+        and the id-seeded weights of rows a load overwrites were a third of its time. Needs
+        room for the new rows (a DCP load reserves it); without, ``find_or_insert`` grows."""
+        if len(self) + keys.numel() > self.capacity:
+            return self.find_or_insert(keys, touch=False)
+        return self._mapped(self.id_map.find_or_insert, keys)
+
+    def restore_history(self, clock: int, counters: torch.Tensor, bucket_size: int) -> None:
+        """Set the clock, and the history from a saved table's ``[buckets, 2]`` counters
+        (``BucketHistory.restore``)."""
+        self.history.restore(counters, bucket_size)
+        self.clock = int(clock)
+
+    def reserve(self, rows: int, id_map: bool = True) -> None:
+        """Make room for ``rows`` rows without further copies; deletes never shrink the arrays
+        below it. The row arrays' pages are committed as rows are written, so they cost address
+        space, not memory; the id map's table (``id_map``) is written in full up front."""
+        self._reserved = max(self._reserved, rows)
+        if rows > self.capacity:
+            self._resize(rows, keep=len(self))
+        if id_map:
+            self.id_map.reserve(rows)
+
+    def clear(self) -> None:
+        with self.lock:
+            for frozen in self._frozen:
+                frozen.let_go()  # the dropped arrays stay readable for it, no copy needed
+            self._frozen = ()
+            self.id_map.clear()
+            self.epoch += 1
+            self._alloc(_MIN_ROWS)
+
+    # -- internals ----------------------------------------------------------------------------
+    def before_header_rewrite(self) -> None:
+        """Call before rewriting the header word of every row (lfu decay)."""
+        for frozen in self._frozen:
+            frozen.preserve_headers()
+
+    def _before_change(self, slots: torch.Tensor) -> None:
+        for frozen in self._frozen:
+            frozen.preserve(slots)
+
+    def _init_rows(self, start: int, end: int) -> None:
+        if end > self.capacity:
+            self._resize(max(end, int(self.capacity * _GROWTH)), keep=start)
+        self._initial_weights(self.weights[start:end], self.keys()[start:end])
+        self.optimizer[start:end] = 0
+        self.meta[start:end] = make_meta(self.clock, 0, used=True)
+
+    def _initial_weights(self, out: torch.Tensor, ids: torch.Tensor) -> None:
+        low, high = self.params.init_range
+        fill_uniform_by_id(out, ids, low, high, self.params.init_seed, native=self.native)
+
+    def _alloc(self, rows: int) -> None:
+        # Uninitialised on purpose: rows past len(self) are written by _init_rows before use,
+        # and zero-filling a grown table costs more than the copy.
+        ids = self.bucket_range.id_end - self.bucket_range.id_start
+        space = max(rows, min(ids, max(_RESERVED_ROWS, 4 * rows)))
+        self._set_arrays(RowArrays.allocate(self.layout, rows, self.device, self.native, space))
+
+    def _set_arrays(self, arrays: RowArrays) -> None:
+        self.weights, self.optimizer, self.meta = arrays.tensors
+
+    def _resize(self, rows: int, keep: int) -> None:
+        """Resize to ``rows`` rows keeping the first ``keep``: in place where the arrays' mappings
+        have room, else by copying into new arrays."""
+        with self.lock:
+            old = self.arrays
+            in_place = old.resized_in_place(rows, keep, self.native)
+            if in_place is not None:
+                self._set_arrays(in_place)
+                return
+            self._alloc(rows)
+            self.arrays.assign(slice(0, keep), old, slice(0, keep))
+
+    def _mapped(self, lookup, ids: torch.Tensor) -> torch.Tensor:
+        """``lookup(ids, bounds)`` of the id map, bounded to this shard's ids."""
+        r = self.bucket_range
+        try:
+            return lookup(ids, (r.id_start, r.id_end))
+        except IdOutOfRange as e:
+            raise ValueError(
+                f"table '{self.params.name}': id {e.id} is outside this shard's ids "
+                f"[{r.id_start}, {r.id_end}) (buckets [{r.start}, {r.end}) of size {r.size}); "
+                "route ids to the rank owning their bucket (id // bucket_size)") from None
+
+    def _check_values(self, values: torch.Tensor, n: int, part: RowPart) -> torch.Tensor:
+        return self.layout.checked(values, n, part, self.params.name, self.device)

@@ -1,0 +1,159 @@
+"""fbgemm's TBE bound to one KV-ZCH table shard's rows: ids -> store slots -> TBE over the rows.
+
+fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` does the lookup, the backward and the fused
+optimizer update. Instead of owning its weights it is bound, before every forward, to the row
+store's arrays: its weights are ``store.weights`` and its optimizer state ``store.optimizer``,
+and the ids it sees are the store's dense slots. So the update lands directly in the store,
+with no gradient the size of the table and no copy of the rows.
+
+One hazard follows: the fused backward writes into the arrays the forward saw. If the store
+reallocated or moved rows in between, those writes would go to a dropped buffer or the wrong
+rows. So each training forward announces its update to the store (``expect_update``), which
+then neither evicts nor grows until the update starts (``update_started``, from the output's
+gradient hook); the store owns that state, with its clock, eviction and budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+    BoundsCheckMode,
+    EmbeddingLocation,
+    PoolingMode,
+)
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch import nn
+
+from torchrec_kvzch.params import BucketRange, KVZCHTableParams
+from torchrec_kvzch.table.eviction import SharedBudget
+from torchrec_kvzch.table.row_store import RowStore
+
+_PRECISION = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}
+
+
+class TableTBE(nn.Module):
+    """Lookup + fused update for the features of one KV-ZCH table on one rank (``budget``: the
+    rank budget its store shares, ``SharedBudget``).
+
+    ``forward(ids, offsets, per_sample_weights)`` takes global ids in TBE's jagged layout
+    (``offsets`` over features x batch, features of this table only) and returns pooled
+    ``[B, F * D]`` (``pooling`` SUM or MEAN) or per-id ``[len(ids), D]`` rows (NONE).
+    """
+
+    def __init__(
+        self,
+        params: KVZCHTableParams,
+        bucket_range: BucketRange,
+        num_features: int = 1,
+        pooling: PoolingMode = PoolingMode.SUM,
+        device: torch.device | str = "cpu",
+        backend: str = "auto",
+        initial_rows: int = 0,
+        budget: SharedBudget | None = None,
+    ) -> None:
+        super().__init__()
+        self.params = params
+        self.device = torch.device(device)
+        self.num_features = num_features
+        on_cuda = self.device.type == "cuda"
+        if params.embedding_dim % 4:
+            raise ValueError(
+                f"KV-ZCH table '{params.name}': embedding_dim {params.embedding_dim} is not a "
+                "multiple of 4, which fbgemm's TBE kernels require; pad the dimension"
+            )
+        self.store = RowStore(params, bucket_range, self.device, backend, initial_rows, budget)
+        location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
+        compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            # One placeholder row: the real rows are bound from the store in _bind().
+            [(1, params.embedding_dim, location, compute)],
+            feature_table_map=[0] * num_features,
+            optimizer=params.optimizer.to_fbgemm(),
+            learning_rate=params.learning_rate,
+            eps=params.eps,
+            pooling_mode=pooling,
+            weights_precision=_PRECISION[params.dtype],
+            stochastic_rounding=params.stochastic_rounding,
+            output_dtype=SparseType.FP32,
+            bounds_check_mode=BoundsCheckMode.NONE,  # slots come from the store, always in range
+            device=self.device,
+        )
+        self._suffix = "dev" if on_cuda else "host"
+        self._hyper = (params.learning_rate, params.eps)
+        self._bound: torch.Tensor | None = None
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not (self.training and torch.is_grad_enabled()):
+            return self._evaluate(ids, offsets, per_sample_weights)
+        slots = self.store.lookup_for_update(ids)
+        self._bind()
+        out = self.tbe(slots, offsets.long(), per_sample_weights)
+        if out.requires_grad:
+            self.store.expect_update(slots)
+            # Runs as the output's gradient arrives, i.e. just before fbgemm's fused update.
+            out.register_hook(lambda grad: self.store.update_started())
+        return out
+
+    def set_hyper_parameters(self, lr: float, eps: float) -> None:
+        """The learning rate and eps of the next fused update (fbgemm reads them in backward)."""
+        if (lr, eps) == self._hyper:
+            return
+        for name, value in (("lr", lr), ("eps", eps)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"KV-ZCH table '{self.params.name}': optimizer {name} must be a "
+                                 f"finite number >= 0, got {value!r}")
+        self.tbe.update_hyper_parameters({"lr": float(lr), "eps": float(eps)})
+        self._hyper = (lr, eps)
+
+    def _evaluate(self, ids, offsets, per_sample_weights) -> torch.Tensor:
+        """An evaluation lookup (``torch.no_grad()`` or ``model.eval()``) changes nothing: no
+        rows are created, evicted or touched and the clock stays, so evaluating between
+        training steps leaves training (and a resumed run) exactly as without it. An unseen id
+        reads as the id-seeded weights its row would start with. The same TBE pools the rows,
+        bound for this call to just the batch's distinct rows, so outputs match training's."""
+        unique, slots = torch.unique(ids, return_inverse=True)
+        rows = self.store.peek(unique)
+        if not rows.shape[0]:  # fbgemm takes empty CPU weights for device ones: one unused row
+            rows = rows.new_zeros(1, rows.shape[1])
+        self._set_tensor(f"weights_{self._suffix}", rows.view(-1))
+        self._set_geometry(rows.shape[0])
+        self._bound = None  # the next training forward binds the store again
+        with torch.no_grad():
+            return self.tbe(slots, offsets.long(), per_sample_weights)
+
+    def _bind(self) -> None:
+        """Point fbgemm's TBE at the store's current arrays (cheap; re-done after growth)."""
+        store = self.store
+        if self._bound is store.weights:
+            return
+        self._set_tensor(f"weights_{self._suffix}", store.weights.view(-1))
+        if store.optimizer.shape[1]:
+            self._set_tensor(f"momentum1_{self._suffix}", store.optimizer.view(-1))
+        self._set_geometry(store.capacity)
+        self._bound = store.weights
+
+    def _set_geometry(self, rows: int) -> None:
+        # Per-feature hash offsets (one table: all 0) and the total, used to sort in backward.
+        self.tbe.hash_size_cumsum = torch.tensor(
+            [0] * self.num_features + [rows], dtype=torch.long, device=self.device
+        )
+        self.tbe.total_hash_size_bits = int(math.log2(rows) + 1)
+        self.tbe.rows_per_table = torch.tensor([rows], dtype=torch.long, device=self.device)
+
+    def _set_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        current = getattr(self.tbe, name)
+        if isinstance(current, nn.Parameter):
+            tensor = nn.Parameter(tensor, requires_grad=current.requires_grad)
+        setattr(self.tbe, name, tensor)

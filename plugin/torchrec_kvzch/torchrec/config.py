@@ -1,0 +1,277 @@
+"""Sharding configs: YAML files declaring tables, which of them are KV-ZCH, and planner hints.
+
+    optimizer:                    # the fused optimizer of every table
+      type: exact_rowwise_adagrad
+      learning_rate: 0.02
+    tables:
+      - name: user
+        embedding_dim: 32
+        features: [user_id]
+        kvzch:                    # present: a KV-ZCH table on our kernel
+          num_embeddings: 2^40
+          total_num_buckets: 64
+          expected_rows: 200000
+      - name: category            # absent: an ordinary table (fbgemm's FUSED kernel)
+        embedding_dim: 16
+        num_embeddings: 1000
+        features: [category]
+        planner: {sharding_types: [table_wise]}
+    rank_budget: {max_bytes: 2^30}  # optional: one memory budget over the KV-ZCH tables of a rank
+
+``table_defaults`` (optional) holds keys every table takes unless it sets them itself; its
+``kvzch`` block is merged key by key into each table's, and a table with ``kvzch: false`` is an
+ordinary one. ``load_config(path)`` validates every key and value and raises ``ConfigError``
+naming the file, the key and what is allowed, before anything is built. Integers may be written
+``2^40``. Keys and value types come from the parameter dataclasses (``params.py``), and so do the
+defaults: nothing here repeats them.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+
+from torchrec_kvzch.params import OPTIMIZER_DEFAULTS, EvictionPolicy, KVZCHTableParams, OptimizerKind, RankBudget
+from torchrec_kvzch.torchrec.planner import KVZCHConstraints, KVZCHShardingPlanner
+from torchrec_kvzch.torchrec.modules import kvzch_sharders
+from torchrec_kvzch.torchrec.tables import kvzch_embedding_bag_config, kvzch_embedding_config
+
+__all__ = ["ConfigError", "ShardingConfig", "TableSpec", "load_config"]
+
+_POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+_OPTIMIZER_KEYS = {"type", "learning_rate", "eps"}
+_TABLE_KEYS = {"name", "embedding_dim", "features", "pooling", "num_embeddings", "kvzch", "planner"}
+_KVZCH_KEYS = {f.name for f in fields(KVZCHTableParams)} - {"name", "embedding_dim", "defaulted"}
+_EVICTION_KEYS = {f.name for f in fields(EvictionPolicy)}
+_RANK_BUDGET_KEYS = {f.name for f in fields(RankBudget)}
+_PLANNER_KEYS = {"sharding_types", "compute_kernels", "pooling_factors", "num_poolings",
+                 "batch_sizes", "min_partition", "enforce_hbm"}
+_SHARDING_TYPES = [t.value for t in ShardingType]
+
+
+class ConfigError(ValueError):
+    """A sharding config that cannot be used; the message names file, key and fix."""
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    embedding_dim: int
+    features: tuple[str, ...]
+    pooling: PoolingType
+    num_embeddings: int
+    kvzch: KVZCHTableParams | None
+    constraints: ParameterConstraints | None
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    path: Path
+    optimizer: OptimizerKind
+    learning_rate: float
+    eps: float
+    tables: tuple[TableSpec, ...]
+    rank_budget: RankBudget | None = None
+
+    @property
+    def kvzch_tables(self) -> list[KVZCHTableParams]:
+        return [t.kvzch for t in self.tables if t.kvzch is not None]
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """Pooled table configs, for an EmbeddingBagCollection (build it on the meta device)."""
+        return [kvzch_embedding_bag_config(t.kvzch, t.features, t.pooling) if t.kvzch else
+                EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
+                                   feature_names=list(t.features), pooling=t.pooling)
+                for t in self.tables]
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        """Sequence table configs, for an EmbeddingCollection."""
+        return [kvzch_embedding_config(t.kvzch, t.features) if t.kvzch else
+                EmbeddingConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
+                                feature_names=list(t.features))
+                for t in self.tables]
+
+    def constraints(self) -> dict[str, ParameterConstraints]:
+        """Planner constraints: ``KVZCHConstraints`` for KV-ZCH tables (with any planner hints),
+        the given ``planner`` hints for the others."""
+        out = {}
+        for t in self.tables:
+            if t.kvzch is not None:
+                hints = vars(t.constraints) if t.constraints is not None else {}
+                out[t.name] = KVZCHConstraints(**hints, kvzch=t.kvzch)
+            elif t.constraints is not None:
+                out[t.name] = t.constraints
+        return out
+
+    def sharders(self) -> list:
+        """Sharders; the ordinary tables get the config's fused optimizer, the KV-ZCH tables of
+        each rank share the config's ``rank_budget``."""
+        return kvzch_sharders({"optimizer": self.optimizer.to_fbgemm(),
+                               "learning_rate": self.learning_rate, "eps": self.eps}, self.rank_budget)
+
+    def planner(self, topology: Topology, batch_size: int) -> KVZCHShardingPlanner:
+        return KVZCHShardingPlanner(topology, batch_size, self.constraints())
+
+
+def load_config(path: str | Path) -> ShardingConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such sharding config") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return _Parser(path).config(raw)
+
+
+class _Parser:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, where: str, problem: str) -> None:
+        raise ConfigError(f"{self.path}: {where}: {problem}")
+
+    def mapping(self, value: Any, where: str, allowed: set[str], required: set[str] = frozenset()) -> dict:
+        if not isinstance(value, dict):
+            self.fail(where, f"expected a mapping with keys from {sorted(allowed)}, got {value!r}")
+        for key in value:
+            if key not in allowed:
+                self.fail(f"{where}.{key}" if where else str(key),
+                          f"unknown key; allowed: {', '.join(sorted(allowed))}")
+        for key in sorted(required - value.keys()):
+            self.fail(where or "top level", f"missing required key '{key}'")
+        return value
+
+    def integer(self, value: Any, where: str) -> int:
+        if isinstance(value, str) and re.fullmatch(r"\s*\d+\s*\^\s*\d+\s*", value):
+            base, exp = (int(v) for v in value.split("^"))
+            return base**exp
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(where, f"expected an integer (or 'a^b'), got {value!r}")
+        return value
+
+    def choice(self, value: Any, where: str, allowed) -> Any:
+        if value not in allowed:
+            self.fail(where, f"{value!r} is not allowed; use one of {', '.join(map(str, allowed))}")
+        return value
+
+    def config(self, raw: Any) -> ShardingConfig:
+        top = self.mapping(raw, "", {"optimizer", "tables", "table_defaults", "description", "rank_budget"},
+                           {"tables"})
+        opt = self.mapping(top.get("optimizer", {}), "optimizer", _OPTIMIZER_KEYS)
+        kind = self.optimizer_kind(opt.get("type", OPTIMIZER_DEFAULTS["optimizer"]), "optimizer.type")
+        lr = opt.get("learning_rate", OPTIMIZER_DEFAULTS["learning_rate"])
+        eps = opt.get("eps", OPTIMIZER_DEFAULTS["eps"])
+        if not isinstance(top["tables"], list) or not top["tables"]:
+            self.fail("tables", "expected a non-empty list of tables")
+        defaults = self.mapping(top.get("table_defaults") or {}, "table_defaults", _TABLE_KEYS - {"name"})
+        tables = [self.table(self.merged(defaults, t), f"tables[{i}]", kind, lr, eps)
+                  for i, t in enumerate(top["tables"])]
+        seen_tables, seen_features = set(), {}
+        for t in tables:
+            if t.name in seen_tables:
+                self.fail(f"tables ({t.name})", "duplicate table name")
+            seen_tables.add(t.name)
+            for f in t.features:
+                if f in seen_features:
+                    self.fail(f"tables ({t.name}).features", f"feature '{f}' already feeds table "
+                              f"'{seen_features[f]}'; each feature feeds one table")
+                seen_features[f] = t.name
+        budget = self.rank_budget(top["rank_budget"]) if top.get("rank_budget") is not None else None
+        if budget is not None and not any(t.kvzch for t in tables):
+            self.fail("rank_budget", "no table is KV-ZCH (has a 'kvzch' block); remove rank_budget")
+        return ShardingConfig(self.path, kind, float(lr), float(eps), tuple(tables), budget)
+
+    @staticmethod
+    def merged(defaults: dict, table: Any) -> Any:
+        """``table`` over ``defaults`` (its ``kvzch`` block over theirs; ``kvzch: false`` drops it)."""
+        if not isinstance(table, dict):
+            return table
+        out = {**defaults, **table}
+        if isinstance(defaults.get("kvzch"), dict) and isinstance(table.get("kvzch"), dict):
+            out["kvzch"] = {**defaults["kvzch"], **table["kvzch"]}
+        if out.get("kvzch") is False:
+            del out["kvzch"]
+        return out
+
+    def typed(self, cls, raw: dict, where: str) -> dict:
+        """``raw``'s values as ``cls``'s fields are typed: integer fields take ``a^b``, tuple
+        fields YAML lists (the dataclass then validates them)."""
+        hints = typing.get_type_hints(cls)
+        out = dict(raw)
+        for key, value in raw.items():
+            hint = hints[key]
+            kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+            if value is not None and int in kinds and float not in kinds:
+                out[key] = self.integer(value, f"{where}.{key}")
+            elif isinstance(value, list) and any(typing.get_origin(k) is tuple for k in kinds):
+                out[key] = tuple(value)
+        return out
+
+    def rank_budget(self, raw: Any) -> RankBudget:
+        b = self.typed(RankBudget, self.mapping(raw, "rank_budget", _RANK_BUDGET_KEYS), "rank_budget")
+        try:
+            return RankBudget(**b)
+        except ValueError as e:
+            self.fail("rank_budget", str(e).removeprefix("rank budget: "))
+
+    def optimizer_kind(self, value: Any, where: str) -> OptimizerKind:
+        try:
+            return OptimizerKind.parse(value)
+        except ValueError:
+            self.fail(where, OptimizerKind.refusal(value))
+
+    def table(self, raw: Any, where: str, kind: OptimizerKind, lr: float, eps: float) -> TableSpec:
+        if isinstance(raw, dict) and "name" in raw:
+            where = f"{where} ({raw['name']})"
+        t = self.mapping(raw, where, _TABLE_KEYS, {"name", "embedding_dim", "features"})
+        name = t["name"]
+        features = t["features"]
+        if not isinstance(features, list) or not features or not all(isinstance(f, str) for f in features):
+            self.fail(f"{where}.features", f"expected a non-empty list of feature names, got {features!r}")
+        pooling = _POOLINGS[self.choice(str(t.get("pooling", "sum")).lower(), f"{where}.pooling", list(_POOLINGS))]
+        dim = self.integer(t["embedding_dim"], f"{where}.embedding_dim")
+        kvzch = None
+        if "kvzch" in t:
+            if "num_embeddings" in t:
+                self.fail(f"{where}.num_embeddings", "a KV-ZCH table sets num_embeddings inside 'kvzch' "
+                          "(for an ordinary table under a table_defaults kvzch block, set kvzch: false)")
+            kvzch = self.kvzch(t["kvzch"], f"{where}.kvzch", name, dim, kind, lr, eps)
+            num_embeddings = kvzch.num_embeddings
+        elif "num_embeddings" not in t:
+            self.fail(where, "missing required key 'num_embeddings' (or a 'kvzch' block)")
+        else:
+            num_embeddings = self.integer(t["num_embeddings"], f"{where}.num_embeddings")
+        return TableSpec(name, dim, tuple(features), pooling, num_embeddings, kvzch,
+                         self.constraints(t.get("planner"), f"{where}.planner"))
+
+    def kvzch(self, raw: Any, where: str, name: str, dim: int, kind, lr, eps) -> KVZCHTableParams:
+        kv = self.typed(KVZCHTableParams, self.mapping(raw if raw is not None else {}, where, _KVZCH_KEYS),
+                        where)
+        kv["optimizer"] = self.optimizer_kind(kv.get("optimizer", kind), f"{where}.optimizer")
+        kv.setdefault("learning_rate", lr)
+        kv.setdefault("eps", eps)
+        if "eviction" in kv:
+            ev = self.mapping(kv["eviction"], f"{where}.eviction", _EVICTION_KEYS)
+            kv["eviction"] = EvictionPolicy(**self.typed(EvictionPolicy, ev, f"{where}.eviction"))
+        try:
+            return KVZCHTableParams(name=name, embedding_dim=dim, **kv)
+        except (TypeError, ValueError) as e:
+            self.fail(where, str(e))
+
+    def constraints(self, raw: Any, where: str) -> ParameterConstraints | None:
+        if raw is None:
+            return None
+        c = self.mapping(raw, where, _PLANNER_KEYS)
+        for i, st in enumerate(c.get("sharding_types", [])):
+            self.choice(st, f"{where}.sharding_types[{i}]", _SHARDING_TYPES)
+        return ParameterConstraints(**c)

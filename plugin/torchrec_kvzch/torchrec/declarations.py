@@ -1,0 +1,294 @@
+"""TorchRec's own KV-ZCH declarations, read into ``KVZCHTableParams``.
+
+TorchRec declares a KV-ZCH table in three places: its table config (``use_virtual_table``,
+``total_num_buckets``, ``virtual_table_eviction_policy``, ``weight_init_min/max``,
+``data_type``), its planner constraints (``compute_kernels=["dram_virtual_table"]``,
+``key_value_params``) and the sharders' ``fused_params`` (optimizer, learning rate, eps).
+``table_params`` reads all three. Each field is honoured, or refused with a ``ValueError`` that
+names the table, the field and what to do. Fields that only place or cache rows on SSD change
+nothing a DRAM store computes and are logged once; the policies' ``inference_*`` fields are read
+only when publishing for inference, which training never does (docs/porting.md lists them all).
+
+Precedence, where two declarations say the same thing: a table's own beats the sharders'
+(``KVZCHTableParams`` fields that are set, then the config), and the sharders' ``fused_params``
+fill the optimizer fields a table leaves unset. A config field that contradicts the table's
+``KVZCHTableParams`` is an error, never a choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    CountBasedEvictionPolicy,
+    CountTimestampMixedEvictionPolicy,
+    DataType,
+    FeatureL2NormBasedEvictionPolicy,
+    FeatureScoreBasedEvictionPolicy,
+    NoEvictionPolicy,
+    TimestampBasedEvictionPolicy,
+)
+
+from torchrec_kvzch.params import EvictionPolicy, KVZCHTableParams, OptimizerKind
+
+logger = logging.getLogger(__name__)
+
+# TorchRec's kernels for KV-ZCH tables. Ours serves all of them from DRAM: the first is the
+# name plans carry; the SSD ones get a notice (their rows are not on SSD here). TorchRec 1.6
+# (the torch 2.11 stack) has no DRAM_SSD_VIRTUAL_TABLE yet.
+KVZCH_KERNEL = EmbeddingComputeKernel.DRAM_VIRTUAL_TABLE.value
+VIRTUAL_KERNELS = tuple(EmbeddingComputeKernel[name].value
+                        for name in ("DRAM_VIRTUAL_TABLE", "SSD_VIRTUAL_TABLE", "DRAM_SSD_VIRTUAL_TABLE")
+                        if name in EmbeddingComputeKernel.__members__)
+
+_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16"}
+# TorchRec's init range for virtual tables that do not set one (its SSD/DRAM TBE's default).
+_DEFAULT_INIT = {"fp32": math.sqrt(1 / 4_000_000_000), "fp16": 0.001}
+
+# fbgemm's trigger modes (KVZCHTBEConfig.kvzch_eviction_trigger_mode)
+_DISABLED, _ITERATION, _MEMORY, _MANUAL, _ID_COUNT, _FREE_MEMORY = range(6)
+
+# fused_params keys (and KeyValueParams fields) that place, cache or report rows (TorchRec's
+# FUSED / SSD kernels): nothing a DRAM store computes depends on them.
+_PLACEMENT_KEYS = frozenset({
+    "cache_load_factor", "cache_precision", "cache_algorithm", "cache_reserved_memory",
+    "prefetch_pipeline", "enforce_hbm", "bounds_check_mode", "use_cpu", "ssd_storage_directory",
+    "ssd_rocksdb_write_buffer_size", "ssd_rocksdb_shards", "gather_ssd_cache_stats",
+    "stats_reporter_config", "use_passed_in_path", "max_l1_cache_size",
+    "enable_async_update", "bulk_init_chunk_size", "lazy_bulk_init_enabled",
+    "ssd_cache_location", "report_interval",
+})
+# fused_params keys with a value our kernel always uses: any other value is refused.
+_FIXED_KEYS = {"weight_decay": 0.0, "gradient_clipping": False, "max_norm": 0.0,
+               "output_dtype": "FP32", "weight_decay_mode": "NONE"}
+_KEY_VALUE_REFUSED = {
+    "enable_raw_embedding_streaming": "streaming rows to a remote store is not provided",
+    "res_store_shards": "streaming rows to a remote store is not provided",
+    "ps_hosts": "the parameter-server backend is not provided",
+    "ps_client_thread_num": "the parameter-server backend is not provided",
+    "ps_max_key_per_request": "the parameter-server backend is not provided",
+    "ps_max_local_index_length": "the parameter-server backend is not provided",
+    "load_ckpt_without_opt": "load a checkpoint without optimizer state with "
+                             "CheckpointManager.load(..., load_optimizer=False) instead",
+}
+_TBE_CONFIG_REFUSED = {
+    "load_ckpt_without_opt": _KEY_VALUE_REFUSED["load_ckpt_without_opt"],
+    "enrichment_policy": "enriching rows from external sources is not provided",
+}
+_noticed: set[tuple[str, str]] = set()
+
+
+def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_value_params=None,
+                 fused_params: dict | None = None,
+                 explicit: KVZCHTableParams | None = None) -> KVZCHTableParams:
+    """The KV-ZCH parameters of a table declared the TorchRec way (``config`` planned on
+    ``kernel`` with ``key_value_params``, sharded with ``fused_params``), merged with its
+    ``KVZCHTableParams`` when it has some (``explicit``)."""
+    name = config.name
+
+    def fail(problem: str, fix: str):
+        raise ValueError(f"KV-ZCH table '{name}': {problem}; fix: {fix}")
+
+    if kernel not in VIRTUAL_KERNELS:
+        fail(f"compute kernel {kernel!r} is not a KV-ZCH kernel",
+             f"plan it on one of {', '.join(VIRTUAL_KERNELS)}")
+    if not config.use_virtual_table or config.total_num_buckets is None:
+        fail("a KV-ZCH table must be declared with use_virtual_table=True and total_num_buckets "
+             "(TorchRec splits its rows at bucket boundaries)",
+             "set both in its EmbeddingBagConfig / EmbeddingConfig")
+    if config.data_type not in _DTYPES:
+        fail(f"data_type {config.data_type} is not supported", "use DataType.FP32 or DataType.FP16")
+    for flag, why in (("enable_embedding_update", "writing embeddings from outside training"),
+                      ("stash_weights", "stashing weights"), ("need_pos", "position-weighted features")):
+        if getattr(config, flag, False):
+            fail(f"{flag}=True ({why}) is not supported by the DRAM row store", f"set {flag}=False")
+    if kernel != KVZCH_KERNEL:
+        _notice(name, kernel, f"'{kernel}' is served by the DRAM row store: its rows live in "
+                "host memory (device memory on CUDA), not on SSD")
+    check_key_value_params(name, key_value_params)
+    eviction = eviction_policy(name, config.virtual_table_eviction_policy, key_value_params)
+    optimizer = _optimizer_fields(name, fused_params or {})
+    dtype = _DTYPES[config.data_type]
+    if explicit is not None:
+        return _merge(config, explicit, dtype, eviction, optimizer, fail)
+    low = config.weight_init_min if config.weight_init_min is not None else -_DEFAULT_INIT[dtype]
+    high = config.weight_init_max if config.weight_init_max is not None else _DEFAULT_INIT[dtype]
+    # As TorchRec sets up its own DRAM/SSD backends: optimizer state in the store, whole rows
+    # returned by DRAM ones.
+    return KVZCHTableParams(
+        name=name, embedding_dim=config.embedding_dim, num_embeddings=config.num_embeddings,
+        total_num_buckets=config.total_num_buckets, weight_dtype=dtype, init_range=(low, high),
+        enable_optimizer_offloading=True,
+        backend_return_whole_row=kernel != EmbeddingComputeKernel.SSD_VIRTUAL_TABLE.value,
+        eviction=eviction, **optimizer)
+
+
+def _merge(config, explicit: KVZCHTableParams, dtype: str, eviction: EvictionPolicy,
+           optimizer: dict, fail) -> KVZCHTableParams:
+    """``explicit`` with its unset optimizer fields from the sharders, after checking that the
+    config does not contradict it."""
+    if (config.embedding_dim, config.num_embeddings, config.total_num_buckets) != (
+            explicit.embedding_dim, explicit.num_embeddings, explicit.total_num_buckets):
+        fail(f"the config declares {config.num_embeddings} x {config.embedding_dim} in "
+             f"{config.total_num_buckets} buckets, its KVZCHTableParams {explicit.num_embeddings} x "
+             f"{explicit.embedding_dim} in {explicit.total_num_buckets}",
+             "make them agree (kvzch_embedding_bag_config builds the config from the parameters)")
+    if dtype != explicit.weight_dtype:
+        fail(f"the config's data_type is {dtype}, its KVZCHTableParams' weight_dtype "
+             f"{explicit.weight_dtype}", "declare the dtype once, or make them agree")
+    for side, value in (("min", config.weight_init_min), ("max", config.weight_init_max)):
+        wanted = explicit.init_range[0 if side == "min" else 1]
+        if value is not None and value != wanted:
+            fail(f"the config's weight_init_{side} is {value}, its KVZCHTableParams' init_range "
+                 f"{explicit.init_range}", "declare the init range once, or make them agree")
+    if eviction.enabled and eviction != explicit.eviction:
+        fail(f"the config's eviction policy reads as {eviction}, its KVZCHTableParams say "
+             f"{explicit.eviction}", "declare eviction once: in the config or in KVZCHTableParams")
+    unset = explicit.defaulted or frozenset()
+    filled = {k: v for k, v in optimizer.items() if k in unset}
+    return dataclasses.replace(explicit, **filled, defaulted=unset - filled.keys())
+
+
+def eviction_policy(table: str, policy, key_value_params=None) -> EvictionPolicy:
+    """The ``EvictionPolicy`` doing what TorchRec's ``virtual_table_eviction_policy`` and its
+    trigger settings (``KeyValueParams.kvzch_tbe_config``, ``l2_cache_size``) describe."""
+    def fail(problem: str, fix: str):
+        raise ValueError(f"KV-ZCH table '{table}': {problem}; fix: {fix}")
+
+    if policy is None or isinstance(policy, NoEvictionPolicy):
+        return EvictionPolicy()
+    kind = type(policy).__name__
+    if isinstance(policy, FeatureScoreBasedEvictionPolicy):
+        fail("FeatureScoreBasedEvictionPolicy is not supported: the DRAM store keeps no per-id "
+             "feature score (and must never scale outputs by one)",
+             "use TimestampBasedEvictionPolicy, CountBasedEvictionPolicy, "
+             "CountTimestampMixedEvictionPolicy, FeatureL2NormBasedEvictionPolicy or "
+             "NoEvictionPolicy, or KVZCHTableParams(eviction=EvictionPolicy(kind='lru', "
+             "max_rows=...)) to keep the most recent rows")
+    if isinstance(policy, TimestampBasedEvictionPolicy):
+        rule = dict(kind="ttl", ttl_minutes=policy.eviction_ttl_mins) if policy.eviction_ttl_mins else None
+    elif isinstance(policy, CountBasedEvictionPolicy):
+        rule = (dict(kind="lfu", count_threshold=policy.eviction_threshold,
+                     count_decay=policy.decay_rate) if policy.eviction_threshold else None)
+    elif isinstance(policy, CountTimestampMixedEvictionPolicy):
+        ttl = dict(ttl_minutes=policy.eviction_ttl_mins) if policy.eviction_ttl_mins else {}
+        if policy.eviction_threshold:
+            rule = dict(kind="lfu", count_threshold=policy.eviction_threshold,
+                        count_decay=policy.decay_rate, **ttl)
+        else:  # "0 means no eviction based on count"
+            rule = dict(kind="ttl", **ttl) if ttl else None
+    elif isinstance(policy, FeatureL2NormBasedEvictionPolicy):
+        rule = dict(kind="l2", l2_threshold=policy.eviction_threshold) if policy.eviction_threshold else None
+    else:
+        fail(f"eviction policy {kind} is unknown", "use one of TorchRec's VirtualTableEvictionPolicy "
+             "classes, or KVZCHTableParams(eviction=EvictionPolicy(...))")
+    if rule is None:  # the policy's own "0 means no eviction"
+        return EvictionPolicy()
+    rule.update(_trigger(table, kind, policy, key_value_params, fail))
+    try:
+        return EvictionPolicy(**rule).validate(table)
+    except ValueError as e:
+        fail(f"{kind} does not map to an eviction policy ({e})", "check its thresholds")
+
+
+def _trigger(table: str, kind: str, policy, key_value_params, fail) -> dict:
+    """When passes run, from fbgemm's trigger mode (TorchRec's default: memory, past
+    ``KeyValueParams.l2_cache_size`` GB)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import KVZCHTBEConfig
+
+    config = getattr(key_value_params, "kvzch_tbe_config", None) or KVZCHTBEConfig()
+    mode = config.kvzch_eviction_trigger_mode
+    if mode == _MEMORY:
+        size = getattr(key_value_params, "l2_cache_size", None)
+        if not size:
+            fail(f"{kind} is triggered by memory (kvzch_eviction_trigger_mode 2, TorchRec's default) "
+                 "but KeyValueParams.l2_cache_size (the threshold, in GB) is not set",
+                 "set key_value_params=KeyValueParams(l2_cache_size=<GB per table shard>), or "
+                 "another trigger mode in KeyValueParams.kvzch_tbe_config")
+        return dict(trigger="bytes", trigger_bytes=int(size) << 30)
+    if mode == _ID_COUNT:
+        if not policy.training_id_eviction_trigger_count:
+            fail(f"{kind} is triggered by id count (kvzch_eviction_trigger_mode 4) but its "
+                 "training_id_eviction_trigger_count is 0", "set the row count that starts a pass")
+        return dict(trigger="rows", trigger_rows=policy.training_id_eviction_trigger_count)
+    if mode == _MANUAL:
+        return dict(trigger="manual")
+    if mode == _FREE_MEMORY:
+        return dict(trigger="free_memory", free_memory_bytes=config.eviction_free_mem_threshold_gb << 30,
+                    interval_steps=config.eviction_free_mem_check_interval_batch)
+    if mode == _ITERATION:
+        fail("kvzch_eviction_trigger_mode 1 (every N iterations) has no N in TorchRec's declarations",
+             "use KVZCHTableParams(eviction=EvictionPolicy(..., interval_steps=N)) in KVZCHConstraints")
+    if mode == _DISABLED:
+        fail(f"{kind} asks for eviction but kvzch_eviction_trigger_mode 0 disables it",
+             "use NoEvictionPolicy, or a trigger mode")
+    fail(f"kvzch_eviction_trigger_mode {mode} is unknown", "use 2 (memory), 3 (manual), 4 (id count) or 5 (free memory)")
+
+
+def _optimizer_fields(table: str, fused_params: dict) -> dict:
+    """The optimizer fields a KV-ZCH table takes from the sharders' fused params; refuses
+    values our kernel cannot honour."""
+    def fail(problem: str, fix: str):
+        raise ValueError(f"KV-ZCH table '{table}': {problem}; fix: {fix}")
+
+    fields = {}
+    for key, value in fused_params.items():
+        if key == "optimizer":
+            fields["optimizer"] = OptimizerKind.parse(getattr(value, "value", value), table)
+        elif key in ("learning_rate", "eps"):
+            fields[key] = float(value)
+        elif key == "stochastic_rounding":
+            fields[key] = bool(value)
+        elif key in ("l2_cache_size", "kvzch_tbe_config"):
+            fail(f"fused param '{key}' sets eviction triggers, which are read per table",
+                 f"pass it as ParameterConstraints(key_value_params=KeyValueParams({key}=...))")
+        elif key in ("beta1", "beta2"):
+            continue  # Adam's, and KV-ZCH tables refuse Adam (OptimizerKind)
+        elif key in _FIXED_KEYS:
+            if not _same(value, _FIXED_KEYS[key]):
+                fail(f"fused param {key}={value!r} is not supported by the KV-ZCH kernel "
+                     f"(it uses {_FIXED_KEYS[key]})",
+                     "drop it, or give the KV-ZCH tables sharders without it")
+        elif key in _PLACEMENT_KEYS or key.startswith("ssd_"):
+            _notice(table, key, f"fused param '{key}' places or caches rows; the DRAM store has "
+                    "no use for it")
+        else:
+            fail(f"fused param '{key}' is not understood by the KV-ZCH kernel",
+                 "drop it from the sharders' fused_params (or shard the KV-ZCH tables with sharders "
+                 "of their own)")
+    return fields
+
+
+def _same(value, fixed) -> bool:
+    """Whether a fused param's value is the one our kernel uses (enums by name, numbers by value)."""
+    value = getattr(value, "name", value)
+    if isinstance(fixed, bool) or isinstance(fixed, str):
+        return value == fixed
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == fixed
+
+
+def check_key_value_params(table: str, key_value_params) -> None:
+    """Refuses ``KeyValueParams`` fields the DRAM store cannot honour; notes the SSD-only ones."""
+    if key_value_params is None:
+        return
+    tbe_config = getattr(key_value_params, "kvzch_tbe_config", None)
+    for where, owner, refused in (("KeyValueParams", key_value_params, _KEY_VALUE_REFUSED),
+                                  ("KVZCHTBEConfig", tbe_config, _TBE_CONFIG_REFUSED)):
+        for field, reason in refused.items():
+            if owner is not None and getattr(owner, field, None):
+                raise ValueError(f"KV-ZCH table '{table}': {where}.{field} is not supported "
+                                 f"({reason}); fix: leave it unset")
+    for field in sorted(_PLACEMENT_KEYS - {"use_passed_in_path"}):  # (True by default)
+        if getattr(key_value_params, field, None) is not None:
+            _notice(table, field, f"KeyValueParams.{field} configures SSD placement or caching; "
+                    "the DRAM store has no use for it")
+
+
+def _notice(table: str, what: str, message: str) -> None:
+    if (table, what) not in _noticed:
+        _noticed.add((table, what))
+        logger.warning("KV-ZCH table '%s': %s", table, message)

@@ -1,0 +1,365 @@
+"""TorchRec's CUSTOMIZED_KERNEL extension chain, subclassed for KV-ZCH tables.
+
+sharder.shard() -> sharded EBC/EC -> row-wise sharding -> lookup -> KVZCHEmbeddingKernel.
+
+Every step is a subclass of a public TorchRec class overriding one factory method; tables on
+other kernels (e.g. FUSED) in the same module go through the stock code unchanged. The
+sharders also offer ROW_WISE on CPU, where TorchRec's stock sharders offer it only on CUDA
+(its row-wise input distribution works on CPU with gloo).
+
+Plans name KV-ZCH tables by TorchRec's virtual-table kernels (``dram_virtual_table``...). The
+sharder moves them to ``STORE_KERNEL`` (TorchRec's ``customized_kernel``) before the sharded
+module is built, each with its ``KVZCHTableParams``: TorchRec's own code for virtual tables
+(state dicts of fbgemm's KV backends) then stays out of the way of ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import torch
+from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from torchrec.distributed.embedding_lookup import (
+    GroupedEmbeddingsLookup,
+    GroupedPooledEmbeddingsLookup,
+)
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+    replace_placement_with_meta_device,
+)
+from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.types import ParameterSharding, ShardingType
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.tensor_dict import maybe_td_to_kjt
+
+from torchrec_kvzch.torchrec.state_dict import (
+    TABLE_ENTRIES, UPSTREAM_ONLY_ENTRIES, kv_view, load_materialised, table_entries)
+from torchrec_kvzch.table.kv_tensor import KVTensor
+from torchrec_kvzch.params import KVZCHTableParams, RankBudget
+from torchrec_kvzch.torchrec.declarations import KVZCH_KERNEL, VIRTUAL_KERNELS, table_params
+from torchrec_kvzch.torchrec.embedding_kernel import BUDGET_KEY, FUSED_PARAMS_KEY, KVZCHEmbeddingKernel
+from torchrec_kvzch.torchrec.tables import kvzch_kernels, kvzch_tables
+from torchrec_kvzch.torchrec.validation import BatchChecker
+from torchrec_kvzch.table.eviction import SharedBudget
+from torchrec_kvzch.table.layout import RowPart
+
+STORE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+ROW_WISE = ShardingType.ROW_WISE.value
+# Shardings whose kernels pool MEAN as SUM (``pooling_type_to_pooling_mode``; grid shards look
+# up as table-row-wise): the EBC divides their MEAN outputs after the output dist.
+SUM_POOLED_MEAN = {ROW_WISE, ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value}
+
+
+@dataclasses.dataclass
+class KVZCHParameterSharding(ParameterSharding):
+    """A table's placement plus the KV-ZCH options of its module's KV-ZCH tables. TorchRec merges
+    ``get_additional_fused_params()`` into the fused params its kernel is built from, and groups
+    tables with equal fused params into one kernel: giving every KV-ZCH table of a module the
+    same tuple lets tables of different dims share one kernel."""
+
+    kvzch: KVZCHTableParams | None = None
+    kvzch_group: tuple[KVZCHTableParams, ...] = ()
+    budget: SharedBudget | None = None  # the rank budget of the sharder that shards the module
+
+    def get_additional_fused_params(self) -> dict[str, Any]:
+        extra = {FUSED_PARAMS_KEY: self.kvzch_group or (self.kvzch,)}
+        return {**extra, BUDGET_KEY: self.budget} if self.budget is not None else extra
+
+    @classmethod
+    def wrap(cls, sharding: ParameterSharding, params: KVZCHTableParams,
+             group: tuple[KVZCHTableParams, ...] = (), budget: SharedBudget | None = None,
+             **changes) -> "KVZCHParameterSharding":
+        fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
+        return cls(**{**fields, **changes}, kvzch=params, kvzch_group=tuple(group), budget=budget)
+
+
+def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict | None,
+               budget: SharedBudget | None = None) -> dict[str, ParameterSharding]:
+    """A module's plan with its KV-ZCH tables moved to ``STORE_KERNEL``, each carrying its
+    parameters (from our planner, else read from its declarations), the module's group of
+    them and the rank ``budget``, which reach the kernel as fused params. Other tables'
+    entries are returned as they are."""
+    by_name = {c.name: c for c in configs}
+    chosen = {}
+    for name, sharding in plan.items():
+        kernel = sharding.compute_kernel
+        if kernel not in VIRTUAL_KERNELS and kernel != STORE_KERNEL:
+            continue
+        explicit = sharding.kvzch if isinstance(sharding, KVZCHParameterSharding) else None
+        if explicit is None and kernel == STORE_KERNEL:
+            raise ValueError(f"table '{name}' is planned on {STORE_KERNEL} without KV-ZCH "
+                             f"parameters; plan it on {KVZCH_KERNEL} (KVZCHShardingPlanner does)")
+        # (Parameters from our planner come back unchanged: it read the same declarations.)
+        params = table_params(by_name[name], KVZCH_KERNEL if kernel == STORE_KERNEL else kernel,
+                              sharding.key_value_params, fused_params, explicit)
+        if sharding.sharding_type != ROW_WISE:
+            raise ValueError(f"KV-ZCH table '{name}' is planned {sharding.sharding_type}; KV-ZCH "
+                             f"tables are sharded row-wise by buckets (sharding_types=['{ROW_WISE}'])")
+        chosen[name] = params
+    group = tuple(chosen[n] for n in sorted(chosen))
+    return {name: (KVZCHParameterSharding.wrap(s, chosen[name], group, budget, compute_kernel=STORE_KERNEL)
+                   if name in chosen else s) for name, s in plan.items()}
+
+
+# -- lookups: build our kernel for KV-ZCH groups, the stock one otherwise ---------------------
+class KVZCHPooledLookup(GroupedPooledEmbeddingsLookup):
+    def _create_embedding_kernel(self, config, device, pg, sharding_type, env):
+        if config.compute_kernel.value == STORE_KERNEL:
+            return KVZCHEmbeddingKernel(config, pg, device, sharding_type, pooled=True)
+        return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
+
+
+class KVZCHSequenceLookup(GroupedEmbeddingsLookup):
+    def _create_embedding_kernel(self, config, pg, device, env=None):
+        if config.compute_kernel.value == STORE_KERNEL:
+            return KVZCHEmbeddingKernel(config, pg, device, None, pooled=False)
+        return super()._create_embedding_kernel(config, pg, device, env)
+
+
+# -- row-wise shardings that create those lookups --------------------------------------------
+class KVZCHRwPooledSharding(RwPooledEmbeddingSharding):
+    def create_lookup(self, device=None, fused_params=None, feature_processor=None):
+        return KVZCHPooledLookup(
+            grouped_configs=self._grouped_embedding_configs, pg=self._pg,
+            device=device if device is not None else self._device,
+            feature_processor=feature_processor, sharding_type=ShardingType.ROW_WISE,
+            env=self._env)
+
+
+class KVZCHRwSequenceSharding(RwSequenceEmbeddingSharding):
+    def create_lookup(self, device=None, fused_params=None, feature_processor=None):
+        return KVZCHSequenceLookup(
+            grouped_configs=self._grouped_embedding_configs, pg=self._pg,
+            device=device if device is not None else self._device, env=self._env)
+
+
+# -- sharded modules ---------------------------------------------------------------------------
+class _KVZCHModuleMixin:
+    """What TorchRec's sharded modules need changed for tables whose rows live in a store."""
+
+    _configs_attr: str  # the instance attribute listing the module's table configs
+    _tables_prefix: str  # where tables sit in the state dict ("embedding_bags." / "embeddings.")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # TorchRec leaves CUSTOMIZED_KERNEL tables out of its state dict; ours add them.
+        self._register_state_dict_hook(_add_kvzch_entries)
+        self._register_load_state_dict_pre_hook(_take_kvzch_entries, with_module=True)
+        self._check_batch = BatchChecker(getattr(self, self._configs_attr))
+
+    def input_dist(self, ctx, features, *args, **kwargs):
+        # A store makes rows of whatever ids arrive: refuse a bad batch before it is routed.
+        if isinstance(features, KeyedJaggedTensor):
+            self._check_batch(features)
+        return super().input_dist(ctx, features, *args, **kwargs)
+
+    def _kvzch_tables(self) -> set[str]:
+        return {t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == STORE_KERNEL}
+
+    def reset_parameters(self) -> None:
+        # Stock reset re-initialises every table's dense weight; ours have none (the store
+        # creates rows id-seeded on first use). Run it over the other tables only.
+        configs = getattr(self, self._configs_attr)
+        kvzch = self._kvzch_tables()
+        setattr(self, self._configs_attr, [c for c in configs if c.name not in kvzch])
+        try:
+            super().reset_parameters()
+        finally:
+            setattr(self, self._configs_attr, configs)
+
+
+class KVZCHShardedEmbeddingBagCollection(_KVZCHModuleMixin, ShardedEmbeddingBagCollection):
+    _configs_attr = "_embedding_bag_configs"
+    _tables_prefix = "embedding_bags."
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        configs = self._embedding_bag_configs
+        sharding = {c.name: self.module_sharding_plan[c.name].sharding_type for c in configs}
+        # output key -> the feature whose bag lengths divide it (see input_dist)
+        self._mean_divided: dict[str, str] = {
+            name: feature
+            for config, names in zip(configs, get_embedding_names_by_table(configs))
+            if config.pooling == PoolingType.MEAN and sharding[config.name] in SUM_POOLED_MEAN
+            for name, feature in zip(names, config.feature_names)}
+        self._has_mean_pooling_callback = bool(self._mean_divided)
+        # fbgemm's CPU MEAN kernels ("MEAN pooling will not work with indice_weights") divide
+        # a weighted bag by L in the forward but not in the gradient: no divisor can fix that.
+        if self._is_weighted and getattr(self._device, "type", "cpu") == "cpu":
+            for config in configs:
+                if (config.pooling == PoolingType.MEAN
+                        and sharding[config.name] not in SUM_POOLED_MEAN):
+                    raise ValueError(
+                        f"table '{config.name}': MEAN pooling with per-sample weights is wrong "
+                        f"under {sharding[config.name]} sharding on CPU (fbgemm's CPU MEAN kernel "
+                        "leaves the 1/L out of the gradient); shard it row-wise, where it is "
+                        "pooled as SUM and divided after the reduce-scatter, or pool SUM")
+
+    def input_dist(self, ctx, features, *args, **kwargs):
+        """Replaces the divisor TorchRec's ``input_dist`` leaves in ``ctx``
+        (``_create_mean_pooling_divisor``). Once any row-wise table pools MEAN, TorchRec divides
+        every output by its feature's bag lengths (sums of weights if weighted) except row-wise
+        SUM features: table-wise SUM outputs came back as sum/L, table-wise MEAN ones (pooled
+        MEAN by their own kernel) as sum/L^2, the 1 of a row-wise SUM feature went only to the
+        feature's first output, whichever table that was, and grid MEAN tables (pooled as SUM
+        too) did not count. Ours is per output: the bag length, at least 1 (an empty bag stays
+        0), for MEAN tables of ``SUM_POOLED_MEAN`` shardings, else 1. Weights don't enter it: a
+        weighted MEAN is sum(w * row) / L, as fbgemm pools it under the other shardings.
+        Variable batch sizes are expanded by the inverse indices, as TorchRec does. What no
+        divisor fixes, weighted MEAN on fbgemm's CPU MEAN kernels, ``__init__`` refuses."""
+        if not self._has_mean_pooling_callback:
+            return super().input_dist(ctx, features, *args, **kwargs)
+        features = maybe_td_to_kjt(features)
+        awaitable = super().input_dist(ctx, features, *args, **kwargs)
+        ctx.divisor = self._mean_divisor(features)
+        return awaitable
+
+    def _mean_divisor(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """[batch, output columns], laid out as TorchRec's pooled output."""
+        lengths = features.lengths()
+        position = {key: i for i, key in enumerate(features.keys())}
+        divided = set(self._mean_divided.values())
+        if features.variable_stride_per_key():
+            inverse_keys, inverse = features.inverse_indices()
+            starts = list(itertools.accumulate(features.stride_per_key(), initial=0))
+            bags = {f: lengths[starts[position[f]] + inverse[inverse_keys.index(f)]]
+                    for f in divided}
+        else:
+            per_key = lengths.reshape(len(position), features.stride())
+            bags = {f: per_key[position[f]] for f in divided}
+        one = lengths.new_ones(())
+        rows = [bags[self._mean_divided[name]] if name in self._mean_divided else one
+                for name in self._embedding_names]
+        divisor = torch.stack(torch.broadcast_tensors(*rows), dim=1).clamp_min(1).to(torch.float32)
+        return divisor.repeat_interleave(self._dim_per_key, dim=1,
+                                         output_size=sum(self._embedding_dims))
+
+    @classmethod
+    def create_embedding_bag_sharding(cls, sharding_infos, env, device=None,
+                                      permute_embeddings=False, qcomm_codecs_registry=None):
+        if sharding_infos[0].param_sharding.sharding_type != ROW_WISE:
+            return super().create_embedding_bag_sharding(
+                sharding_infos, env, device, permute_embeddings, qcomm_codecs_registry)
+        if device is not None and device.type == "meta":
+            replace_placement_with_meta_device(sharding_infos)
+        return KVZCHRwPooledSharding(sharding_infos, env, device,
+                                     qcomm_codecs_registry=qcomm_codecs_registry)
+
+
+class KVZCHShardedEmbeddingCollection(_KVZCHModuleMixin, ShardedEmbeddingCollection):
+    _configs_attr = "_embedding_configs"
+    _tables_prefix = "embeddings."
+
+    @classmethod
+    def create_embedding_sharding(cls, sharding_type, sharding_infos, env, device=None,
+                                  qcomm_codecs_registry=None):
+        if sharding_type != ROW_WISE:
+            return super().create_embedding_sharding(sharding_type, sharding_infos, env, device,
+                                                     qcomm_codecs_registry)
+        return KVZCHRwSequenceSharding(sharding_infos=sharding_infos, env=env, device=device,
+                                       qcomm_codecs_registry=qcomm_codecs_registry)
+
+
+def _add_kvzch_entries(module, destination, prefix, local_metadata):
+    entries, optimizer_state = table_entries(kvzch_tables(module), prefix + module._tables_prefix,
+                                             module._env.process_group)
+    destination.update(entries)
+    # The fused optimizer's state (what its state_dict() returns) follows the same snapshot.
+    for kernel in kvzch_kernels(module):
+        kernel.fused_optimizer.set_state(optimizer_state)
+    return destination
+
+
+def _take_kvzch_entries(module, state_dict, prefix, *args) -> None:
+    """Removes our tables' entries before TorchRec's own checks, and upstream TorchRec's
+    ``{table}.metadata`` (its only entry we lack; any other unknown key is left for TorchRec's
+    strict check to report). Entries that are this model's own views (a state dict loaded in
+    place by DCP) need nothing more. Others are rows to load, at the same world size: from
+    ``torch.load``, upstream TorchRec's materialised state dict, or another model's state dict
+    (``model2.load_state_dict(model1.state_dict())``, read chunk by chunk). Upstream TorchRec
+    skips virtual-table weights in this path; we load them, since the rows are at hand. The
+    fused optimizer's state views are then rebuilt over the loaded rows, so that its
+    ``load_state_dict`` writes the matching optimizer state into them (by each row's id when
+    it comes from another model's views)."""
+    loaded = False
+    for name, tbe in kvzch_tables(module):
+        base = f"{prefix}{module._tables_prefix}{name}."
+        entries = {k: state_dict.pop(base + k) for k in TABLE_ENTRIES + UPSTREAM_ONLY_ENTRIES
+                   if base + k in state_dict}
+        view = kv_view(entries.get("weight"))
+        if "weight" in entries and (view is None or view.store is not tbe.store):
+            part = RowPart.ROW if tbe.params.backend_return_whole_row else RowPart.WEIGHT
+            load_materialised(KVTensor(tbe.store, part), entries)
+            loaded = True
+    if loaded:
+        _add_kvzch_entries(module, {}, prefix, None)
+
+
+# -- sharders ----------------------------------------------------------------------------------
+class _KVZCHSharderMixin:
+    def __init__(self, *args, shared_budget: SharedBudget | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shared_budget = shared_budget
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = list(super().sharding_types(compute_device_type))
+        return types if ROW_WISE in types else [*types, ROW_WISE]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        """TorchRec's kernels, and row-wise its virtual-table ones on every device (TorchRec
+        guards them: only a table constrained to one is planned on one)."""
+        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
+        if sharding_type == ROW_WISE:
+            kernels += [k for k in VIRTUAL_KERNELS if k not in kernels]
+        return kernels
+
+
+class KVZCHEmbeddingBagCollectionSharder(_KVZCHSharderMixin, EmbeddingBagCollectionSharder):
+    """Shards EmbeddingBagCollections whose KV-ZCH tables use our kernel; other tables as usual."""
+
+    def shard(self, module, params, env, device=None, module_fqn=None):
+        params = store_plan(module.embedding_bag_configs(), params, self.fused_params, self.shared_budget)
+        return KVZCHShardedEmbeddingBagCollection(
+            module=module, table_name_to_parameter_sharding=params, env=env,
+            fused_params=self.fused_params, device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite)
+
+    @property
+    def sharded_module_type(self):
+        return KVZCHShardedEmbeddingBagCollection
+
+
+class KVZCHEmbeddingCollectionSharder(_KVZCHSharderMixin, EmbeddingCollectionSharder):
+    """Shards EmbeddingCollections whose KV-ZCH tables use our kernel; other tables as usual."""
+
+    def shard(self, module, params, env, device=None, module_fqn=None):
+        params = store_plan(module.embedding_configs(), params, self.fused_params, self.shared_budget)
+        return KVZCHShardedEmbeddingCollection(
+            module, params, env, self.fused_params, device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            use_index_dedup=self._use_index_dedup, module_fqn=module_fqn)
+
+    @property
+    def sharded_module_type(self):
+        return KVZCHShardedEmbeddingCollection
+
+
+def kvzch_sharders(fused_params: dict[str, Any] | None = None,
+                   rank_budget: RankBudget | None = None) -> list:
+    """Sharders for models mixing KV-ZCH and ordinary tables. ``fused_params`` configure every
+    table, e.g. ``{"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}``;
+    a KV-ZCH table's ``KVZCHTableParams`` fields that are set win over them (see
+    ``declarations``), and a fused param the KV-ZCH kernel cannot honour is refused.
+    ``rank_budget``: one memory budget shared by every KV-ZCH table shard these sharders
+    create on this rank (``sharders[0].shared_budget`` reports its usage)."""
+    shared = SharedBudget(rank_budget) if rank_budget is not None else None
+    return [KVZCHEmbeddingBagCollectionSharder(fused_params=fused_params, shared_budget=shared),
+            KVZCHEmbeddingCollectionSharder(fused_params=fused_params, shared_budget=shared)]

@@ -1,0 +1,181 @@
+"""Planning KV-ZCH tables with TorchRec's own sharding planner.
+
+A table is a KV-ZCH table when its config says ``use_virtual_table=True`` (TorchRec's own
+declaration), when its constraints name a virtual-table kernel (``dram_virtual_table``,
+``ssd_virtual_table``, ``dram_ssd_virtual_table``), or when its constraints are
+``KVZCHConstraints(kvzch=KVZCHTableParams(...))``, our explicit way. ``KVZCHShardingPlanner``
+is TorchRec's ``EmbeddingShardingPlanner`` with three additions:
+
+* constraints: KV-ZCH tables are pinned to ROW_WISE on their virtual-table kernel, and their
+  parameters are read from every declaration (``declarations.table_params``) before planning,
+  so a field we cannot honour fails here;
+* estimators: a bandwidth entry for the virtual-table kernels on CPU (TorchRec prices them only
+  on CUDA), and, for tables declared with ``KVZCHConstraints``, a storage estimator that counts
+  the memory of each shard's *expected* rows (``KVZCHTableParams.expected_rows``) with the
+  store's growth slack and hash table, where TorchRec counts only its caches - so a plan that
+  cannot fit fails with the planner's normal error;
+* the plan it returns carries each KV-ZCH table's parameters (``KVZCHParameterSharding``),
+  which is how they reach the kernel. TorchRec's stock planner can plan the same tables on
+  CUDA (it prices virtual-table kernels there); our sharders then read the parameters from the
+  declarations themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.constants import BATCH_SIZE, DDR_MEM_BW
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.estimator import EmbeddingPerfEstimatorFactory
+from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
+from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
+from torchrec.distributed.planner.types import ShardingOption, Storage
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from torchrec_kvzch.params import BucketRange, KVZCHTableParams
+from torchrec_kvzch.torchrec.declarations import KVZCH_KERNEL, VIRTUAL_KERNELS, table_params
+from torchrec_kvzch.torchrec.modules import ROW_WISE, KVZCHParameterSharding, kvzch_sharders
+from torchrec_kvzch.table.layout import RowLayout
+from torchrec_kvzch.table.row_store import RowStore
+
+
+@dataclass
+class KVZCHConstraints(ParameterConstraints):
+    """TorchRec planner constraints of a KV-ZCH table: its options, plus any usual constraint
+    (pooling factors, batch sizes...). Sharding type and kernel are set by the planner."""
+
+    kvzch: KVZCHTableParams | None = None
+
+
+class KVZCHPerfConfig(EmbeddingPerfEstimatorConfig):
+    """On CPU our kernel is bound by host memory like fbgemm's CPU TBE: price it at DDR
+    bandwidth (TorchRec prices virtual-table kernels on CUDA only, and keeps its CUDA price)."""
+
+    kernel_device_bandwidths = {("cpu", kernel): DDR_MEM_BW for kernel in VIRTUAL_KERNELS}
+
+
+class KVZCHStorageEstimator(EmbeddingStorageEstimator):
+    """TorchRec's storage estimate, with the shards of tables declared with ``KVZCHConstraints``
+    replaced by the bytes their ``expected_rows`` take in a row store (host DRAM on CPU, device
+    memory on CUDA). TorchRec's own declarations carry no row count: their shards keep
+    TorchRec's estimate (the caches its ``KeyValueParams`` size)."""
+
+    def __init__(self, topology: Topology, constraints, tables: dict[str, KVZCHTableParams]) -> None:
+        super().__init__(topology=topology, constraints=constraints)
+        self._tables = tables
+        self._on_cuda = topology.compute_device == "cuda"
+
+    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map=None) -> None:
+        super().estimate(sharding_options, sharder_data_map)
+        for option in sharding_options:
+            params = self._tables.get(option.name)
+            if params is None or option.compute_kernel not in VIRTUAL_KERNELS:
+                continue
+            layout = RowLayout.for_table(params)
+            for shard in option.shards:
+                start, rows, size = shard.offset[0], shard.size[0], params.bucket_size
+                buckets = BucketRange(start // size, (start + rows) // size, size)
+                nbytes = RowStore.estimated_bytes(layout, params.expected_shard_rows(buckets))
+                shard.storage = Storage(hbm=nbytes, ddr=0) if self._on_cuda else Storage(hbm=0, ddr=nbytes)
+
+
+class KVZCHShardingPlanner(EmbeddingShardingPlanner):
+    """TorchRec's planner, which also plans KV-ZCH tables (see the module docstring)."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        batch_size: int | None = None,
+        constraints: dict[str, ParameterConstraints] | None = None,
+        **kwargs,
+    ) -> None:
+        batch_size = BATCH_SIZE if batch_size is None else batch_size  # as TorchRec's planner
+        # Our own copies: the planner narrows them, the caller's objects stay as given.
+        self._constraints = {name: replace(c) for name, c in (constraints or {}).items()}
+        self._kvzch: dict[str, KVZCHTableParams] = {}  # filled by plan()
+        self._estimated: dict[str, KVZCHTableParams] = {}  # those with a row count, for the estimator
+        perf = EmbeddingPerfEstimatorFactory.create_with_config(
+            KVZCHPerfConfig(), topology=topology, constraints=self._constraints)
+        storage = KVZCHStorageEstimator(topology, self._constraints, self._estimated)
+        enumerator = EmbeddingEnumerator(topology, batch_size, self._constraints,
+                                         estimator=[perf, storage])
+        super().__init__(topology=topology, batch_size=batch_size, enumerator=enumerator,
+                         constraints=self._constraints, **kwargs)
+
+    def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        self._kvzch.clear()
+        self._kvzch.update(self._declared_tables(module, sharders))
+        self._estimated.clear()
+        self._estimated.update((n, p) for n, p in self._kvzch.items()
+                               if isinstance(self._constraints[n], KVZCHConstraints))
+        plan = super().plan(module, sharders)
+        for module_plan in plan.plan.values():
+            for name, sharding in module_plan.items():
+                if name in self._kvzch and sharding.compute_kernel in VIRTUAL_KERNELS:
+                    module_plan[name] = KVZCHParameterSharding.wrap(sharding, self._kvzch[name])
+        return plan
+
+    def collective_plan(self, module: nn.Module, sharders=None, pg: dist.ProcessGroup | None = None):
+        return super().collective_plan(module, sharders or kvzch_sharders(), pg)
+
+    def _declared_tables(self, module: nn.Module, sharders) -> dict[str, KVZCHTableParams]:
+        """Every KV-ZCH table of the model with its parameters; pins their constraints (these
+        are shared with the enumerator, so they apply to this plan)."""
+        tables, declared = {}, set()
+        for m in module.modules():
+            if isinstance(m, EmbeddingBagCollection):
+                configs = m.embedding_bag_configs()
+            elif isinstance(m, EmbeddingCollection):
+                configs = m.embedding_configs()
+            else:
+                continue
+            fused = next((s.fused_params for s in sharders if isinstance(m, s.module_type)), None)
+            for config in configs:
+                declared.add(config.name)
+                constraints = self._constraints.get(config.name)
+                kernel = _kvzch_kernel(config, constraints)
+                if kernel is None:
+                    continue
+                explicit = getattr(constraints, "kvzch", None)
+                if isinstance(constraints, KVZCHConstraints) and not isinstance(explicit, KVZCHTableParams):
+                    raise ValueError(f"table '{config.name}': KVZCHConstraints.kvzch must be a "
+                                     f"KVZCHTableParams, got {explicit!r}")
+                if explicit is not None and explicit.name != config.name:
+                    raise ValueError(f"table '{config.name}': its KVZCHConstraints carry the "
+                                     f"parameters of table '{explicit.name}'")
+                tables[config.name] = table_params(
+                    config, kernel, getattr(constraints, "key_value_params", None), fused, explicit)
+                self._constraints[config.name] = _pinned(config.name, constraints, kernel)
+        missing = sorted(n for n, c in self._constraints.items()
+                         if isinstance(c, KVZCHConstraints) and n not in declared)
+        if missing:
+            raise ValueError(f"KV-ZCH tables {missing} are not in the model; tables found: {sorted(declared)}")
+        return tables
+
+
+def _kvzch_kernel(config, constraints: ParameterConstraints | None) -> str | None:
+    """The virtual-table kernel a table is declared on, or None for an ordinary table."""
+    kernels = getattr(constraints, "compute_kernels", None)
+    virtual = [k for k in kernels or () if k in VIRTUAL_KERNELS]
+    if not (virtual or config.use_virtual_table or isinstance(constraints, KVZCHConstraints)):
+        return None
+    if kernels and not virtual:
+        raise ValueError(f"KV-ZCH table '{config.name}': constraint compute_kernels={kernels} has no "
+                         f"virtual-table kernel; a table declared with use_virtual_table=True (or "
+                         f"KVZCHConstraints) is planned on one of {list(VIRTUAL_KERNELS)}")
+    return virtual[0] if virtual else KVZCH_KERNEL
+
+
+def _pinned(name: str, constraints: ParameterConstraints | None, kernel: str) -> ParameterConstraints:
+    """The table's constraints restricted to ROW_WISE on ``kernel``."""
+    constraints = constraints if constraints is not None else ParameterConstraints()
+    current = constraints.sharding_types
+    if current is not None and ROW_WISE not in current:
+        raise ValueError(f"KV-ZCH table '{name}': constraint sharding_types={current} excludes "
+                         f"'{ROW_WISE}', the only sharding of KV-ZCH tables (by buckets)")
+    constraints.sharding_types, constraints.compute_kernels = [ROW_WISE], [kernel]
+    return constraints

@@ -1,0 +1,372 @@
+"""State-dict entries of KV-ZCH tables, with global metadata recomputed across ranks.
+
+Per table (``{prefix}{table}.`` below), built over one snapshot of the shard's bucket-sorted ids:
+
+* ``weight``: whole rows ``[n, header + pad4(D) + pad4(opt)]`` when ``backend_return_whole_row``,
+  else weights ``[n, D]``;
+* ``weight_id``: the rows' global ids ``[n, 1]`` int64, as plain tensors (views of the snapshot's
+  ids, which it holds in memory anyway: no copy), so ``torch.sort`` and friends work on them as
+  on upstream TorchRec's;
+* ``metaheader`` (without whole rows only): the header word after the id ``[n, 1]`` int64
+  (timestamp, access count, used bit), which eviction decides by;
+* ``bucket``: rows per bucket ``[total_num_buckets, 1]``, each rank holding its buckets;
+* ``counters``: rows ever inserted and evicted per bucket ``[total_num_buckets, 2]``, sharded
+  the same way, so they follow the rows to any world size;
+* ``clock``: the store's clock ``[1]`` (training steps seen; the same on every rank), which the
+  rows' header timestamps count in: eviction after a resume decides as it would have without.
+
+``weight`` (and ``metaheader``) are ShardedTensors whose local shards are ``KVTensor`` chunks of
+``checkpoint_chunk_rows`` rows inside fbgemm's ``PartiallyMaterializedTensor``: nothing is
+materialised until a checkpoint writer reads a chunk, so saving holds one chunk at a time
+(``weight_id`` is chunked the same way, so that each chunk's ids sit beside its rows). Row
+counts differ per rank and change over time, so their global metadata (offsets, global size) is
+recomputed from an all-gather of the counts each time a state dict is taken: building a state
+dict is a collective on the module's process group.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.tbe.ssd.utils.partially_materialized_tensor import PartiallyMaterializedTensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+from torchrec_kvzch.table.tbe import TableTBE
+from torchrec_kvzch.table.kv_tensor import KVTensor
+from torchrec_kvzch.table.layout import RowPart, meta_timestamp, meta_used
+from torchrec_kvzch.table.snapshot import RowSnapshot
+
+
+# {prefix}{table}.<entry>; metaheader only without backend_return_whole_row
+TABLE_ENTRIES = ("weight", "weight_id", "metaheader", "bucket", "counters", "clock")
+# What upstream TorchRec's state dict of a virtual table holds beyond ours: ``metadata``, each
+# row's header word after the key ``[n, 1]`` int64 (fbgemm's ``get_kv_zch_eviction_metadata``),
+# the same word as our ``metaheader``. Upstream has no ``counters``, ``clock`` or ``metaheader``.
+UPSTREAM_ONLY_ENTRIES = ("metadata",)
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """One table shard's rows at a moment, which every entry of one state dict is built from
+    (model and optimizer entries alike, so freezing it for an async save pins them all)."""
+
+    name: str
+    tbe: TableTBE
+    rows: RowSnapshot
+    clock: int
+    counters: torch.Tensor  # [local buckets, 2]: inserted, evicted
+
+    @classmethod
+    def take(cls, name: str, tbe: TableTBE) -> "TableSnapshot":
+        store = tbe.store
+        return cls(name, tbe, RowSnapshot(store), store.clock, store.history.counters.clone())
+
+    def view(self, part: RowPart, read_only: bool = False) -> KVTensor:
+        return KVTensor(self.store, part, read_only=read_only, snapshot=self.rows)
+
+    @property
+    def store(self):
+        return self.tbe.store
+
+
+def kv_view(entry) -> KVTensor | None:
+    """The KVTensor behind a state-dict entry, if it is a KV-ZCH ShardedTensor."""
+    if isinstance(entry, ShardedTensor) and entry.local_shards():
+        local = entry.local_shards()[0].tensor
+        if isinstance(local, PartiallyMaterializedTensor) and isinstance(local.wrapped, KVTensor):
+            return local.wrapped
+    return None
+
+
+def table_entries(tables: Iterator[tuple[str, TableTBE]], prefix: str,
+                  pg: dist.ProcessGroup | None) -> tuple[dict[str, ShardedTensor], dict[str, dict]]:
+    """Model entries ``{prefix}{table}.weight / .weight_id / .bucket`` for every KV-ZCH table
+    shard here, and each table's optimizer state entries, from one snapshot of its ids.
+
+    Optimizer state is exposed as ``{table}.momentum1`` (rowwise Adagrad's accumulator, as
+    TorchRec names it): read-only when whole rows already carry it, else writable."""
+    snapshots = [TableSnapshot.take(name, tbe) for name, tbe in tables]
+    rows = row_counts_by_rank({s.name: len(s.rows) for s in snapshots}, pg)
+    out, optimizer = {}, {}
+    for snap in snapshots:
+        params = snap.store.params
+        part = RowPart.ROW if params.backend_return_whole_row else RowPart.WEIGHT
+        counts = rows[snap.name]
+        out[f"{prefix}{snap.name}.weight"] = rows_sharded_tensor(snap.view(part), counts, pg)
+        out[f"{prefix}{snap.name}.weight_id"] = rows_sharded_tensor(snap.view(RowPart.ID), counts, pg)
+        if part is RowPart.WEIGHT:  # whole rows hold the header word; else it goes apart
+            out[f"{prefix}{snap.name}.metaheader"] = rows_sharded_tensor(snap.view(RowPart.META), counts, pg)
+        per_bucket = snap.rows.bucket_counts().unsqueeze(1)
+        out[f"{prefix}{snap.name}.bucket"] = bucket_sharded_tensor(snap, per_bucket, pg)
+        out[f"{prefix}{snap.name}.counters"] = bucket_sharded_tensor(snap, snap.counters, pg)
+        out[f"{prefix}{snap.name}.clock"] = torch.tensor([snap.clock])
+        if snap.store.layout.optimizer_floats:
+            state = rows_sharded_tensor(
+                snap.view(RowPart.OPTIMIZER, read_only=params.backend_return_whole_row), counts, pg)
+            # TorchRec's KeyedOptimizer.load_state_dict calls a state object's own
+            # load_state_dict where it has one, instead of copying shard by shard.
+            state.load_state_dict = functools.partial(load_optimizer_state, state)
+            optimizer[snap.name] = {f"{snap.name}.momentum1": state}
+        else:
+            optimizer[snap.name] = {}
+    return out, optimizer
+
+
+def load_optimizer_state(entry: ShardedTensor, source) -> None:
+    """Write ``source`` (optimizer state of this table shard's rows) into the rows behind
+    ``entry``, whatever its chunking: TorchRec copies state shard by shard and so needs the
+    same chunks, which upstream's one shard per rank or another model's row count lack. Lazy
+    chunks of another store go by their own ids; lazy chunks of this store were loaded in place
+    (DCP); plain tensors hold this shard's rows in id order (same world size), as the state
+    dict of the model's rows just loaded. A read-only entry (whole rows) writes nothing."""
+    views = [s.tensor.wrapped for s in entry.local_shards()]
+    if not views or views[0].read_only:
+        return
+    view, name = views[0], views[0].store.params.name
+    chunks = _local_chunks(source) if isinstance(source, ShardedTensor) else [(0, source)]
+    lazy = [c for _, c in chunks if isinstance(c, PartiallyMaterializedTensor) and isinstance(c.wrapped, KVTensor)]
+    if lazy and len(lazy) == len(chunks):
+        for chunk in lazy:
+            if chunk.wrapped.store is not view.store:
+                view.set_weights_and_ids(chunk.full_tensor(), chunk.wrapped.ids)
+        return
+    ids = view.snapshot.ids
+    total = sum(c.shape[0] for _, c in chunks)
+    if total != ids.numel():
+        raise ValueError(f"KV-ZCH table '{name}': the optimizer state to load holds {total} rows "
+                         f"here, the table {ids.numel()}: load the model's state dict first (at the "
+                         "same world size), or load both through DCP (KVZCHLoadPlanner)")
+    at = 0
+    for _, chunk in chunks:
+        values = _read(chunk)
+        n = values.shape[0]
+        view.set_weights_and_ids(values.reshape(n, -1), ids[at : at + n])
+        at += n
+
+
+def row_counts_by_rank(local: dict[str, int], pg: dist.ProcessGroup | None) -> dict[str, list[int]]:
+    """{table: [rows on rank 0, rows on rank 1, ...]}: one all-gather for all tables."""
+    world = dist.get_world_size(pg) if dist.is_initialized() else 1
+    gathered = [local]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, local, group=pg)
+    return {name: [g.get(name, 0) for g in gathered] for name in local}
+
+
+class KVChunk(PartiallyMaterializedTensor):
+    """fbgemm's lazy tensor over a KVTensor chunk, except that ``copy_`` writes (into writable
+    views): TorchRec's optimizer ``load_state_dict`` copies loaded state into the current one."""
+
+    def copy_(self, src, non_blocking: bool = False):
+        """A plain ``src`` holds this chunk's rows in its order: written by this chunk's ids. A
+        lazy ``src`` over this store was loaded in place (nothing to do); over another store
+        (another model's optimizer state dict) its rows are read and written by its own ids."""
+        view = self.wrapped
+        if not view.shape[0]:
+            return self
+        if isinstance(src, PartiallyMaterializedTensor):
+            other = src.wrapped
+            if isinstance(other, KVTensor) and other.store is view.store:
+                return self
+            ids = other.ids if isinstance(other, KVTensor) else view.ids
+            view.set_weights_and_ids(src.full_tensor(), ids)
+        else:
+            view.set_weights_and_ids(src.reshape(view.shape[0], -1), view.ids)
+        return self
+
+
+def rows_sharded_tensor(view: KVTensor, rows_per_rank: list[int], pg) -> ShardedTensor:
+    """A row-wise ShardedTensor over all ranks' rows, rank r's rows after those of ranks < r,
+    each rank's rows in chunks of ``checkpoint_chunk_rows`` (at least one, possibly empty)."""
+    rank = dist.get_rank(pg) if dist.is_initialized() else 0
+    width, chunk = view.shape[1], view.store.params.checkpoint_chunk_rows
+    shards, local, offset = [], [], 0
+    for r, n in enumerate(rows_per_rank):
+        for start in range(0, max(n, 1), chunk):
+            length = min(chunk, n - start)
+            md = ShardMetadata([offset + start, 0], [length, width], f"rank:{r}/{view.store.device.type}")
+            shards.append(md)
+            if r == rank:
+                local.append(Shard(_chunk(view, start, length), md))
+        offset += n
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, ShardedTensorMetadata(shards, torch.Size([offset, width]),
+                                     TensorProperties(dtype=view.dtype)), process_group=pg)
+
+
+def _chunk(view: KVTensor, start: int, length: int):
+    """Rows ``[start, start + length)`` of ``view`` as a local shard: the ids as a plain view of
+    the snapshot's id tensor, anything else lazily."""
+    if view.part is RowPart.ID:
+        return view.ids[start : start + length].unsqueeze(1)
+    return KVChunk(view.slice(start, length), is_virtual=True)
+
+
+def bucket_sharded_tensor(snap: TableSnapshot, values: torch.Tensor, pg) -> ShardedTensor:
+    """Per-bucket ``values`` ``[local buckets, k]``, sharded over the bucket space like the table."""
+    params, world = snap.store.params, dist.get_world_size(pg) if dist.is_initialized() else 1
+    rank = dist.get_rank(pg) if dist.is_initialized() else 0
+    width = values.shape[1]
+    shards = []
+    for r in range(world):
+        b = params.bucket_range(r, world)
+        shards.append(ShardMetadata([b.start, 0], [b.num_buckets, width], f"rank:{r}/{snap.store.device.type}"))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        [Shard(values, shards[rank])],
+        ShardedTensorMetadata(shards, torch.Size([params.total_num_buckets, width]),
+                              TensorProperties(dtype=torch.long)),
+        process_group=pg)
+
+
+def load_materialised(view: KVTensor, entries: dict) -> None:
+    """Replace the rows and history of ``view``'s store with the entries of one table from a
+    state dict of this same shard (same world size and buckets): materialised tensors (e.g.
+    ``torch.save`` / ``torch.load``), another model's lazy entries, or upstream TorchRec's
+    (``weight``, ``weight_id``, ``bucket``, optionally ``metadata``; it has no ``clock`` or
+    ``counters``: counters start at zero and the clock at the newest saved header timestamp,
+    as a DCP load of an upstream checkpoint does).
+
+    Rows are read and written one local chunk at a time. Everything checkable without reading
+    rows is checked before the store changes: entries present, this shard's buckets, widths
+    and dtypes, and (from ``weight_id``, held in memory) that every id belongs to this shard."""
+    store = view.store
+    name, r, layout = store.params.name, store.bucket_range, store.layout
+    if entries.keys() == {"weight"}:
+        return _load_dense(store, entries["weight"])
+    whole = view.part is RowPart.ROW
+    upstream = "clock" not in entries and "counters" not in entries
+    if upstream:
+        needed = ("weight", "bucket") + (() if whole else ("weight_id",))
+    else:
+        needed = ("weight", "clock", "counters") + (() if whole else ("weight_id", "metaheader"))
+    missing = [k for k in needed if k not in entries]
+    if missing:
+        kind = "an upstream TorchRec state dict (no clock or counters) " if upstream else ""
+        raise ValueError(f"KV-ZCH table '{name}': {kind}lacks its {missing} entries; load a whole "
+                         "state dict of this table")
+    history = _local_buckets(entries["bucket" if upstream else "counters"], store, name)
+    parts = {"weight": view.part}
+    if not whole:
+        parts["weight_id"] = RowPart.ID
+        meta = "metadata" if upstream else "metaheader"
+        if meta in entries:
+            parts[meta] = RowPart.META
+    chunks = {k: _local_chunks(entries[k]) for k in parts}
+    for _, tensor in chunks["weight"]:
+        width, dtype = layout.width(view.part), layout.part_dtype(view.part)
+        if len(tensor.shape) != 2 or tensor.shape[1] != width or tensor.dtype != dtype:
+            raise ValueError(f"KV-ZCH table '{name}': its weight entry has chunks of "
+                             f"{list(tensor.shape)} {tensor.dtype}, this table's rows are [n, {width}] "
+                             f"{dtype}: saved with another embedding_dim, optimizer, weight_dtype or "
+                             "backend_return_whole_row? Load it into a table of the same shape")
+    if "weight_id" in entries:
+        for _, chunk in _local_chunks(entries["weight_id"]):
+            ids = _read(chunk)
+            outside = (ids < r.id_start) | (ids >= r.id_end)
+            if bool(outside.any()):
+                raise ValueError(f"KV-ZCH table '{name}': the state dict holds id {int(ids[outside][0])}, "
+                                 f"outside this shard's ids [{r.id_start}, {r.id_end}); it is another "
+                                 "shard's: load through DCP (KVZCHLoadPlanner), which places rows by id")
+    if upstream:
+        counters, clock = torch.zeros(store.params.total_num_buckets, 2, dtype=torch.long), 0
+    else:
+        counters, clock = history, int(entries["clock"][0])
+    store.clear()
+    if upstream:  # rows created without header words are stamped with the clock: 0, not the old one
+        store.restore_history(0, counters, store.params.bucket_size)
+    for chunk in _aligned(chunks):
+        if whole:
+            rows = chunk["weight"]
+            view.load(rows, strict=True)
+            if upstream:
+                clock = max(clock, newest_timestamp(layout.unpack(rows)[1]))
+            continue
+        ids = chunk["weight_id"].reshape(-1)
+        KVTensor(store, view.part, ids=ids[:0]).load(chunk["weight"], ids, strict=True)
+        if "metadata" in chunk or "metaheader" in chunk:
+            meta = chunk.get("metadata", chunk.get("metaheader"))
+            KVTensor(store, RowPart.META, ids=ids[:0]).load(meta.reshape(-1, 1), ids, strict=True)
+            if upstream:
+                clock = max(clock, newest_timestamp(meta.reshape(-1)))
+    store.restore_history(clock, counters, store.params.bucket_size)
+
+
+def _load_dense(store, weight) -> None:
+    """The weights of a dense table (a ``weight`` without ids, e.g. TorchRec's own FUSED table
+    of the same config): row ``i`` of the table is id ``i``. Its local shards must cover exactly
+    this shard's ids, so that every id gets its row; the store then holds those rows, with
+    fresh optimizer state and counters, its clock kept."""
+    name, r, dim = store.params.name, store.bucket_range, store.params.embedding_dim
+    chunks = _local_chunks(weight)
+    spans = [((offset or 0), (offset or 0) + chunk.shape[0]) for offset, chunk in chunks]
+    covered = all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans \
+        and spans[0][0] == r.id_start and spans[-1][1] == r.id_end
+    if not covered:
+        raise ValueError(f"KV-ZCH table '{name}': the state dict's weight holds no ids, so it is read as "
+                         f"a dense table's rows {spans}, which do not cover exactly this shard's ids "
+                         f"[{r.id_start}, {r.id_end}); load a state dict sharded like this table, or "
+                         "one with its weight_id entry")
+    for _, chunk in chunks:
+        if len(chunk.shape) != 2 or chunk.shape[1] != dim:
+            raise ValueError(f"KV-ZCH table '{name}': the dense weight has rows of {list(chunk.shape)[1:]}, "
+                             f"this table's weights are [{dim}]; load a table of the same embedding_dim")
+    clock = store.clock
+    store.clear()
+    for (start, end), (_, chunk) in zip(spans, chunks):
+        ids = torch.arange(start, end, device=store.device)
+        KVTensor(store, RowPart.WEIGHT, ids=ids[:0]).load(_read(chunk).to(store.params.dtype), ids, strict=True)
+    store.restore_history(clock, torch.zeros(store.params.total_num_buckets, 2, dtype=torch.long),
+                          store.params.bucket_size)
+
+
+def newest_timestamp(meta: torch.Tensor) -> int:
+    """The largest timestamp among header words of used rows (0 if none)."""
+    stamps = meta_timestamp(meta[meta_used(meta)])
+    return int(stamps.max()) if stamps.numel() else 0
+
+
+def _local_buckets(entry, store, name: str) -> torch.Tensor:
+    """A per-bucket entry's values ``[total_num_buckets, k]``, checked to hold exactly this
+    shard's buckets (else the state dict is another shard's or another geometry's)."""
+    r = store.bucket_range
+    local = entry.local_shards() if isinstance(entry, ShardedTensor) else []
+    if len(local) != 1 or local[0].metadata.shard_offsets[0] != r.start \
+            or local[0].tensor.shape[0] != r.num_buckets:
+        raise ValueError(f"KV-ZCH table '{name}': the state dict's per-bucket entries do not hold "
+                         f"this rank's buckets [{r.start}, {r.end}); load through DCP "
+                         "(KVZCHLoadPlanner), which loads at any world size")
+    values = local[0].tensor.reshape(r.num_buckets, -1)
+    out = torch.zeros(store.params.total_num_buckets, values.shape[1], dtype=torch.long)
+    out[r.start : r.end] = values
+    return out
+
+
+def _local_chunks(entry) -> list[tuple[int | None, object]]:
+    """(row offset, local chunk) of an entry, ascending; lazy chunks stay lazy."""
+    if isinstance(entry, ShardedTensor):
+        shards = sorted(entry.local_shards(), key=lambda s: s.metadata.shard_offsets[0])
+        return [(s.metadata.shard_offsets[0], s.tensor) for s in shards]
+    return [(None, entry)]
+
+
+def _read(chunk) -> torch.Tensor:
+    return chunk.full_tensor() if isinstance(chunk, PartiallyMaterializedTensor) else chunk
+
+
+def _aligned(chunks: dict[str, list]) -> Iterator[dict[str, torch.Tensor]]:
+    """The entries' chunks side by side, read one chunk at a time where all entries are cut at
+    the same rows (as ours are); otherwise each entry's chunks are concatenated (read at once)."""
+    offsets = {k: [o for o, _ in c] for k, c in chunks.items()}
+    if len({tuple(o) for o in offsets.values()}) == 1:
+        n = len(next(iter(offsets.values())))
+        for i in range(n):
+            yield {k: _read(c[i][1]) for k, c in chunks.items()}
+        return
+    yield {k: torch.cat([_read(t) for _, t in c]) if c else torch.empty(0) for k, c in chunks.items()}

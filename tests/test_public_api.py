@@ -1,0 +1,51 @@
+"""What ``torchrec_kvzch`` exports, and the old import paths of 0.1, which keep working for one
+release with a DeprecationWarning (docs/design.md, "Changes in 0.2")."""
+
+import importlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import torchrec_kvzch
+
+
+def test_everything_exported_exists_and_nothing_private_is():
+    assert all(hasattr(torchrec_kvzch, name) for name in torchrec_kvzch.__all__)
+    assert not [name for name in torchrec_kvzch.__all__ if name.startswith("_")]
+    # one object per concept, whichever path reaches it
+    from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
+    from torchrec_kvzch.table.tbe import TableTBE
+    from torchrec_kvzch.torchrec.modules import kvzch_sharders
+    assert (torchrec_kvzch.KVZCHLoadPlanner, torchrec_kvzch.TableTBE, torchrec_kvzch.kvzch_sharders) == (
+        KVZCHLoadPlanner, TableTBE, kvzch_sharders)
+
+
+@pytest.mark.parametrize("old, new, name", [
+    ("torchrec_kvzch.sharding", "torchrec_kvzch.torchrec", "kvzch_sharders"),
+    ("torchrec_kvzch.config", "torchrec_kvzch.torchrec.config", "load_config"),
+    ("torchrec_kvzch.train", "torchrec_kvzch.job.train", "main"),
+])
+def test_old_module_paths_warn_and_alias_the_new_ones(old, new, name):
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated"):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+
+
+def test_the_old_planner_path_warns_for_the_planners_only():
+    from torchrec_kvzch.checkpoint import planner
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the record classes (old checkpoints unpickle them): silent
+        assert planner.CheckpointMappings is importlib.import_module("torchrec_kvzch.checkpoint.record").CheckpointMappings
+    with pytest.warns(DeprecationWarning, match="checkpoint.planner.KVZCHSavePlanner is deprecated"):
+        from torchrec_kvzch.checkpoint.planner import KVZCHSavePlanner
+    assert KVZCHSavePlanner is torchrec_kvzch.KVZCHSavePlanner
+
+
+def test_the_old_job_entry_point_still_runs():
+    run = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-m", "torchrec_kvzch.train",
+                          "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "--config" in run.stdout
+    assert "torchrec_kvzch.train is deprecated" in run.stderr

@@ -178,4 +178,6 @@ def test_a_records_size_is_read_from_the_zip_where_the_reader_cannot_tell_it(tmp
         class OlderReader:  # no get_record_size
             pass
 
-        assert _record_size(OlderReader(), view, record) == 4000 == archive.get_record_size(record)
+        assert _record_size(OlderReader(), view, record) == 4000
+        if hasattr(archive, "get_record_size"):  # torch >= 2.13 tells it itself
+            assert _record_size(archive, view, record) == archive.get_record_size(record) == 4000

@@ -51,7 +51,7 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
     ("tables:\n" + GOOD_TABLE + "    kvzch: {num_embeddings: 2^20, total_num_buckets: 16, backend_return_whole_row: true}\n",
      "tables[0] (t).kvzch: KV-ZCH table 't': backend_return_whole_row is only valid with enable_optimizer_offloading"),
     ("tables:\n" + GOOD_TABLE + "    kvzch: {num_embeddings: 2^20, total_num_buckets: 16, bucket_count: 3}\n",
-     "tables[0] (t).kvzch.bucket_count: unknown key; allowed: backend_return_whole_row, checkpoint_chunk_rows"),
+     "tables[0] (t).kvzch.bucket_count: unknown key; allowed: admission, backend_return_whole_row, checkpoint_chunk_rows"),
     ("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, eviction: {kind: lru, rows: 5}}\n",
      "tables[0] (t).kvzch.eviction.rows: unknown key; allowed: count_decay, count_threshold, free_memory_bytes, interval_steps, kind, l2_threshold, max_bytes, max_rows, trigger, trigger_bytes, trigger_rows, ttl_minutes, ttl_steps"),
     ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    planner: {sharding_types: [diagonal]}\n",

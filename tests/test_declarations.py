@@ -279,7 +279,7 @@ def train_declared(rank, world, policy_name):
         results[name] = dict(
             eviction=params.eviction.kind.value, optimizer=params.optimizer.value, lr=params.learning_rate,
             init=params.init_range, whole=params.backend_return_whole_row, dtype=weights.dtype,
-            evicted=tbe.store.evicted, dim=weights.shape[1],
+            evicted=tbe.store.history.evicted, dim=weights.shape[1],
             fresh=tbe.store.peek(tbe.store.bucket_range.id_start + 1 + torch.arange(1000)).abs().max().item())
     return results
 

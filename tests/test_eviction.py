@@ -354,7 +354,7 @@ def _train_evict_save_load(rank, world_size, path):
                                      lengths=torch.ones(384, dtype=torch.long))
         model(features).wait().values().sum().backward()
         most_rows = max(most_rows, sharders[0].shared_budget.usage()["rows"])
-    evicted = {name: k.store.evicted for name, k in kvzch_tables(model)}
+    evicted = {name: k.store.history.evicted for name, k in kvzch_tables(model)}
     survivors = {name: k.store.read_ids(torch.sort(k.store.keys()).values, "row") for name, k in kvzch_tables(model)}
     state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
     CheckpointManager(path).save(state, step=12)

@@ -248,7 +248,7 @@ def load_upstream(rank, world, path, buckets=BUCKETS, dim=8):
         return str(e), None, same_rows(before, all_rows(model)), None
     model.load_state_dict(state["model"])
     model.fused_optimizer.load_state_dict(state["optim"])
-    history = {name: (k.store.clock, newest_stamp(k.store), k.store.inserted, k.store.evicted)
+    history = {name: (k.store.clock, newest_stamp(k.store), k.store.history.inserted, k.store.history.evicted)
                for name, k in kvzch_tables(model)}
     for _, tbe in kvzch_tables(model):  # each rank holds exactly the rows of its buckets
         r, ids = tbe.store.bucket_range, torch.sort(tbe.store.keys()).values
@@ -321,7 +321,7 @@ def load_state_dict_across(rank, world):
     fresh.fused_optimizer.load_state_dict(upstream["optim"])
     got = all_rows(fresh)
     out["upstream"] = same_rows(got, want)
-    out["upstream history"] = all(k.store.clock == newest_stamp(k.store) and k.store.inserted == 0
+    out["upstream history"] = all(k.store.clock == newest_stamp(k.store) and k.store.history.inserted == 0
                                   for _, k in kvzch_tables(fresh))
 
     # Anything else unknown is still reported, not dropped.

@@ -17,18 +17,18 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from _dist import run_ranks
-from torchrec_kvzch import KVZCHTableParams
+from torchrec_kvzch import AdmissionPolicy, KVZCHTableParams
 from torchrec_kvzch.torchrec import KVZCH_KERNEL, KVZCHEmbeddingKernel, KVZCHParameterSharding, kvzch_embedding_bag_config, kvzch_sharders
 from torchrec_kvzch.torchrec.planner import KVZCHConstraints, KVZCHShardingPlanner
 from torchrec_kvzch.table.layout import RowLayout
 from torchrec_kvzch.table.row_store import RowStore
 
 
-def tables(expected_rows=10_000, buckets=(12, 7)):
+def tables(expected_rows=10_000, buckets=(12, 7), **kw):
     return [KVZCHTableParams("user", 16, num_embeddings=buckets[0] * 2**36, total_num_buckets=buckets[0],
-                             expected_rows=expected_rows),
+                             expected_rows=expected_rows, **kw),
             KVZCHTableParams("item", 32, num_embeddings=buckets[1] * 2**36, total_num_buckets=buckets[1],
-                             expected_rows=expected_rows)]
+                             expected_rows=expected_rows, **kw)]
 
 
 def model(kv):
@@ -167,3 +167,17 @@ def test_plans_for_a_cuda_topology_charge_device_memory():
     option = next(o for o in planner._enumerator.last_stored_search_space
                   if o.name == "user" and o.compute_kernel == KVZCH_KERNEL)
     assert all(s.storage.hbm > 0 and s.storage.ddr == 0 for s in option.shards)
+
+
+def test_storage_counts_the_admission_sketch_of_each_shard():
+    admission = AdmissionPolicy("count", min_count=2, sketch_width=2**18, sketch_depth=4)
+    plain, kv = tables(expected_rows=120_000), tables(expected_rows=120_000, admission=admission)
+    storage = []
+    for tbls in (plain, kv):
+        planner = KVZCHShardingPlanner(Topology(world_size=3, compute_device="cpu", local_world_size=3),
+                                       batch_size=512, constraints=opt_in(tbls))
+        planner.plan(model(tbls), kvzch_sharders())
+        [option] = [o for o in planner._enumerator.last_stored_search_space
+                    if o.name == "user" and o.compute_kernel == KVZCH_KERNEL][:1]
+        storage.append([s.storage.ddr for s in option.shards])
+    assert [b - a for a, b in zip(*storage)] == [2**18 * 4] * 3  # one byte a counter, per shard

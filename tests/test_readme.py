@@ -48,6 +48,11 @@ assert pooled.shape == (2, 128) and tbe.store.counters['rows'] == 3
 assert same and resumed_same
 assert manager.steps() == [2, 3]
 """,
+    "docs/admission.md": """
+assert tbe.store.counters['rows'] == 2 and tbe.store.counters['admitted'] == 2
+assert tbe.store.counters['rejected'] == 1 and sorted(tbe.store.keys().tolist()) == [7, 8]
+assert second.abs().sum() > 0  # 7 reads its new row now
+""",
     "docs/eviction.md": """
 assert tbe.store.counters['rows'] <= 1000 and tbe.store.counters['inserted'] == 3000
 assert tbe.store.find(torch.tensor([0, 2999])).tolist()[0] == -1

@@ -132,7 +132,7 @@ def snapshot(model, dense, pg):
         store = tbe.store
         ids = torch.sort(store.keys()).values
         rows.update(((name, i), r) for i, r in zip(ids.tolist(), store.read_ids(ids, "row").view(torch.int32).cpu()))
-        history[name] = (store.clock, store.inserted, store.evicted, len(store))
+        history[name] = (store.clock, store.history.inserted, store.history.evicted, len(store))
     fused = model.fused_optimizer.state_dict()["state"]["ebc.embedding_bags.plain.weight"]["plain.momentum1"]
     mine = {"rows": rows, "history": history,
             "plain": _shards(model.state_dict()["ebc.embedding_bags.plain.weight"]), "plain_opt": _shards(fused)}

@@ -37,6 +37,7 @@ check_stack()
 
 # The public API, one layer after another; each layer imports only the ones above it here.
 from torchrec_kvzch.params import (  # noqa: E402
+    AdmissionPolicy,
     BucketRange,
     EvictionKind,
     EvictionPolicy,
@@ -76,7 +77,7 @@ from torchrec_kvzch.checkpoint import (  # noqa: E402
 
 __all__ = [
     # parameters
-    "BucketRange", "EvictionKind", "EvictionPolicy", "EvictionTrigger", "KVZCHTableParams",
+    "AdmissionPolicy", "BucketRange", "EvictionKind", "EvictionPolicy", "EvictionTrigger", "KVZCHTableParams",
     "OptimizerKind", "RankBudget",
     # one table shard
     "IdMap", "KVTensor", "RowLayout", "RowPart", "RowStore", "SharedBudget", "TableTBE",

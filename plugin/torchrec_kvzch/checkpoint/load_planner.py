@@ -36,6 +36,7 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
@@ -47,6 +48,7 @@ from torchrec_kvzch.checkpoint.table_load import RowSink, TableLoad, overlaps
 from torchrec_kvzch.checkpoint.upstream import UpstreamTables
 from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.table.layout import RowLayout, RowPart
+from torchrec_kvzch.torchrec.admission_state import ADMISSION_ENTRIES, TOTALS
 from torchrec_kvzch.torchrec.state_dict import kv_view
 
 
@@ -83,6 +85,7 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
                     for fqn, v in views.items() if v.part in (RowPart.ROW, RowPart.WEIGHT)}
         for table in by_store.values():
             self._plan_table(table, views[table.base + "weight"].part)
+            self._plan_admission(table)
         for fqn, view in views.items():
             if view.part is RowPart.OPTIMIZER:
                 self._plan_entry(by_store[view.store], fqn, RowPart.OPTIMIZER)
@@ -93,6 +96,29 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
                                  "include the optimizer's state_dict(), or pass load_optimizer=False "
                                  "to start it fresh")
             self._check_aligned(table)
+
+    def _plan_admission(self, table: TableLoad) -> None:
+        """Admission state (``torchrec/admission_state.py``): loaded in place when saved at this
+        world size with these buckets, else read whole and merged; cleared when not saved."""
+        md = self.metadata.state_dict_metadata
+        mine = {n: self.state_dict[table.base + n] for n in ADMISSION_ENTRIES if table.base + n in self.state_dict}
+        table.admission_live = {n: entry.local_shards()[0].tensor for n, entry in mine.items()}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        saved = md.get(table.base + TOTALS)
+        same = (saved is not None and saved.size[0] == world and not table.upstream
+                and table.saved.total_num_buckets == table.store.params.total_num_buckets)
+        for name, entry in mine.items():
+            fqn = table.base + name
+            if fqn not in md or saved is None:  # not saved: starts afresh (cleared in finish_plan)
+                self.state_dict.pop(fqn)
+            elif same and md[fqn].size != entry.size():
+                raise ValueError(f"{self._checkpoint}: KV-ZCH table '{table.name}' was saved with a "
+                                 f"'{name}' of {list(md[fqn].size)}, this model's is {list(entry.size())}: "
+                                 "load it into a table with the admission sketch it was saved with")
+            elif not same:
+                self.state_dict[fqn] = torch.empty(md[fqn].size, dtype=md[fqn].properties.dtype)
+                table.admission_saved[fqn] = self.state_dict[fqn]
+                self._tables[fqn] = table
 
     def _plan_table(self, table: TableLoad, part: RowPart) -> None:
         """Sinks for the entries of one table: rows streamed, the rest skipped or read whole."""
@@ -308,6 +334,8 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
         # reserved for the most rows that can arrive (no growth copies while streaming).
         for table in set(self._tables.values()):
             table.store.clear()
+            for block in table.admission_live.values():
+                block.zero_()
             table.store.reserve(table.end - table.begin)
             if table.upstream:  # no history saved: counters zero, clock from the loaded headers
                 p = table.store.params
@@ -350,6 +378,8 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
         table = self._tables.get(fqn)
         if table is None:
             return super().commit_tensor(read_item, tensor)
+        if fqn in table.admission_saved:
+            return table.receive_admission(fqn, tensor.shape[0])
         if fqn not in table.parts:  # clock or counters, read in full into state_dict[fqn]
             return table.receive_history(fqn, tensor.shape[0])
         table.receive(table.parts[fqn], (read_item.dest_offsets[0], read_item.lengths[0]), tensor)

@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torchrec_kvzch.params import KVZCHTableParams
 from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.table.layout import RowLayout, RowPart
+from torchrec_kvzch.torchrec.admission_state import merge
 from torchrec_kvzch.torchrec.state_dict import newest_timestamp
 
 
@@ -31,7 +32,9 @@ class TableLoad:
         self.skipped: list[str] = []  # entries read for nothing (still verified)
         self.pending: dict[tuple[int, int], dict[RowPart, torch.Tensor]] = {}  # split chunks
         self.history: dict[str, torch.Tensor] = {}  # clock / counters fqn -> read in full here
-        self.arrived: Counter = Counter()  # clock / counters fqn -> rows arrived
+        self.arrived: Counter = Counter()  # clock / counters / admission fqn -> rows arrived
+        self.admission_live: dict[str, torch.Tensor] = {}  # admission entry -> this shard's block
+        self.admission_saved: dict[str, torch.Tensor] = {}  # fqn -> whole saved entry, to merge
         empty = torch.empty(0, dtype=torch.long)
         self._loaders = {part: KVTensor(store, part, ids=empty) for part in RowPart if part is not RowPart.ID}
 
@@ -42,6 +45,14 @@ class TableLoad:
         if all(self.arrived[f] == len(t) for f, t in self.history.items()):
             clock, counters = (self.history[self.base + n] for n in ("clock", "counters"))
             self.store.restore_history(int(clock[0]), counters, self.saved.bucket_size)
+
+    def receive_admission(self, fqn: str, rows: int) -> None:
+        """Rows of a whole saved admission entry arrived; once all are complete, they are
+        merged into this shard's admission state (saved at another world size)."""
+        self.arrived[fqn] += rows
+        if all(self.arrived[f] == len(t) for f, t in self.admission_saved.items()):
+            merge(self.admission_live, {f[len(self.base):]: t for f, t in self.admission_saved.items()},
+                  self.name)
 
     def receive(self, part: RowPart, key: tuple[int, int], tensor: torch.Tensor) -> None:
         """Saved rows ``key = (first row, rows)`` of one part arrived."""

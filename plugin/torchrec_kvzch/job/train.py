@@ -26,7 +26,6 @@ import sys
 import time
 import warnings
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,70 +42,9 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
-from torchrec_kvzch.job import config_path
-from torchrec_kvzch.torchrec.config import load_config
+from torchrec_kvzch.job.cli import check_args, job_config, parse_args, parse_crash_drill
 from torchrec_kvzch.job.data import DENSE_FEATURES, CriteoClickLog, SyntheticClickLog
 from torchrec_kvzch.torchrec import kvzch_tables
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="torchrec-kvzch-train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default="quickstart",
-                   help="sharding config: a YAML path, or the name of a shipped one (quickstart, criteo, eviction, large)")
-    p.add_argument("--nproc", type=int, default=2, help="processes to launch (ignored under torchrun)")
-    p.add_argument("--steps", type=int, default=300, help="train until this global step")
-    p.add_argument("--global-batch-size", type=int, default=4096, help="examples per step over all ranks")
-    p.add_argument("--run-dir", default=None, help="checkpoints, metrics and summary (default runs/<config>)")
-    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--async-checkpoint", action="store_true", help="save in the background while training goes on")
-    p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
-    p.add_argument("--resume", default="auto", help="'auto' (latest complete checkpoint, if any), 'none', or a step")
-    p.add_argument("--criteo", nargs="+", metavar="TSV", help="train on Criteo TSV files instead of the synthetic log")
-    p.add_argument("--population", type=int, default=100_000, help="synthetic: Zipf population per feature")
-    p.add_argument("--zipf-alpha", type=float, default=1.05, help="synthetic: id skew")
-    p.add_argument("--new-id-fraction", type=float, default=0.02, help="synthetic: share of never-seen ids")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dense-lr", type=float, default=0.05, help="Adagrad learning rate of the dense layers")
-    p.add_argument("--log-every", type=int, default=10, help="steps between progress and metrics updates")
-    p.add_argument("--timeout-s", type=float, default=300.0, help="collectives give up after this long")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
-    p.add_argument("--summary", default=None, help="summary JSON (default <run-dir>/summary.json)")
-    p.add_argument("--crash-drill", default=None, metavar="RANK:STEP[:save]",
-                   help="kill RANK with SIGKILL at STEP (':save': in the middle of that step's checkpoint); "
-                        "for rehearsing failures")
-    args = p.parse_args(argv)
-    args.config = config_path(args.config)
-    args.run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
-    args.summary = Path(args.summary or args.run_dir / "summary.json")
-    return args
-
-
-def check_args(args: argparse.Namespace, world_size: int) -> None:
-    """Refuse a bad command line before any process starts (config errors name file and key)."""
-    config = load_config(args.config)
-    dims = {t.embedding_dim for t in config.tables}
-    if len(dims) != 1:
-        raise SystemExit(f"{args.config}: DLRM needs one embedding_dim for all tables, got "
-                         + ", ".join(f"{t.name}={t.embedding_dim}" for t in config.tables))
-    if args.global_batch_size % world_size:
-        raise SystemExit(f"--global-batch-size {args.global_batch_size} is not divisible by the world size "
-                         f"{world_size}; use a multiple of {world_size}")
-    for name in ("steps", "global_batch_size", "log_every", "keep"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.resume not in ("auto", "none") and not args.resume.isdigit():
-        raise SystemExit(f"--resume {args.resume!r}: use 'auto', 'none' or a step number")
-    if args.crash_drill is not None:
-        parse_crash_drill(args.crash_drill)
-
-
-def parse_crash_drill(text: str) -> tuple[int, int, bool]:
-    parts = text.split(":")
-    if len(parts) not in (2, 3) or not all(x.isdigit() for x in parts[:2]) or parts[2:] not in ([], ["save"]):
-        raise SystemExit(f"--crash-drill {text!r}: expected RANK:STEP or RANK:STEP:save")
-    return int(parts[0]), int(parts[1]), parts[2:] == ["save"]
-
 
 # -- the model ---------------------------------------------------------------------------------
 def build_model(config, device: torch.device, batch_per_rank: int, dense_lr: float):
@@ -142,7 +80,8 @@ def store_counters(model) -> dict[str, list[int]]:
     """Per counter (``RowStore.counters``: rows, inserted, evicted, bytes), its value for each
     local KV-ZCH table shard, in table order."""
     counters = [tbe.store.counters for _, tbe in kvzch_tables(model)]
-    return {key: [c[key] for c in counters] for key in ("rows", "inserted", "evicted", "bytes")}
+    keys = ("rows", "inserted", "evicted", "bytes") + (("admitted", "rejected") if "admitted" in counters[0] else ())
+    return {key: [c.get(key, 0) for c in counters] for key in keys}
 
 
 # -- the worker --------------------------------------------------------------------------------
@@ -166,7 +105,7 @@ class Trainer:
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
         self.drill = parse_crash_drill(args.crash_drill) if args.crash_drill else None
 
-        config = load_config(args.config)
+        config = job_config(args)
         self.per_rank = args.global_batch_size // self.world_size
         self.data = (CriteoClickLog(config, args.criteo, args.run_dir / "criteo_cache", args.global_batch_size)
                      if args.criteo else
@@ -269,10 +208,13 @@ class Trainer:
                   **{("live_rows" if key == "rows" else key): dict(zip(tables, values))
                      for key, values in zip(counters, per_table)}}
         self.losses.append(record["loss"])
-        rows, inserted, evicted, nbytes = (sum(values) for values in per_table)
-        self.bar.set_postfix({"loss": f"{record['loss']:.4f}", "ex_s": f"{record['examples_per_s']:,.0f}",
-                              "rows": f"{rows:,}", "ins": f"{inserted:,}", "evict": f"{evicted:,}",
-                              "MiB": f"{nbytes / 2**20:,.0f}"}, refresh=False)
+        total = {key: sum(values) for key, values in zip(counters, per_table)}
+        postfix = {"loss": f"{record['loss']:.4f}", "ex_s": f"{record['examples_per_s']:,.0f}",
+                   "rows": f"{total['rows']:,}", "ins": f"{total['inserted']:,}",
+                   "evict": f"{total['evicted']:,}", "MiB": f"{total['bytes'] / 2**20:,.0f}"}
+        if "admitted" in total:
+            postfix.update(adm=f"{total['admitted']:,}", rej=f"{total['rejected']:,}")
+        self.bar.set_postfix(postfix, refresh=False)
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()

@@ -1,18 +1,14 @@
 """The DRAM row store of one table shard: rows created on demand for each global id.
 
-Physically the parts of a row live in separate arrays indexed by the id map's dense slots:
-``weights [capacity, D]`` (contiguous, so fbgemm's TBE can index it directly), ``optimizer
-[capacity, F]`` fp32 and ``meta [capacity]`` int64 (timestamp, count, used). The header key is the
-id map's ``slot -> id`` array, stored once. Capacity grows and shrinks geometrically with the
-live rows, never with the virtual table size.
+The parts of a row live in separate arrays indexed by the id map's dense slots (``arrays.py``);
+the key is the id map's ``slot -> id`` array, stored once. Capacity grows and shrinks
+geometrically with the live rows, never with the virtual table size. Reads and writes address a
+``RowPart`` (``layout.py``); whole-row writes take each row's id from its header and skip rows
+whose used bit is 0.
 
-Reads and writes address a ``RowPart``: the weight, the optimizer state, or the whole row in the
-upstream layout (``layout.py``). Whole-row writes take each row's id from its header and skip
-rows whose used bit is 0.
-
-Training goes through ``lookup_for_update``: it advances the store's clock, runs eviction
-(``eviction.py``: the table's policy and the rank budget the store was built under), and finds or
-creates the batch's rows. The fused update that fbgemm's TBE writes into the rows in backward is
+Training goes through ``lookup_for_update``: it advances the store's clock, admits new ids
+(``admission.py``), runs eviction (``eviction.py``: the table's policy and the rank budget the
+store was built under), and finds or creates the batch's rows. The fused update that fbgemm's TBE writes into the rows in backward is
 announced with ``expect_update`` and ``update_started``: in between, no row may move (no
 eviction, no growth), and a frozen snapshot copies the rows it will change.
 
@@ -29,6 +25,7 @@ import threading
 import torch
 
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams
+from torchrec_kvzch.table.admission import Admission
 from torchrec_kvzch.table.arrays import RowArrays
 from torchrec_kvzch.table.eviction import SCRATCH_BYTES_PER_ROW, Evictor, SharedBudget
 from torchrec_kvzch.table.history import EVICTED, INSERTED, BucketHistory
@@ -69,6 +66,8 @@ class RowStore:
         self._pending: torch.Tensor | None = None  # slots the announced fused update will write
         self._frozen: tuple = ()  # copy-on-write states of frozen snapshots (see snapshot.py)
         self.history = BucketHistory(self.bucket_range)  # rows inserted and evicted, by bucket
+        self.admission = (Admission(params.admission, params.init_seed, self.device)
+                          if params.admission.enabled else None)
         self._reserved = 0  # capacity reserved up front: deletes never shrink below it
         self._alloc(_MIN_ROWS)
         self.evictor = Evictor(self, budget)
@@ -98,19 +97,14 @@ class RowStore:
         return self.id_map.keys()
 
     @property
-    def inserted(self) -> int:
-        return self.history.inserted
-
-    @property
-    def evicted(self) -> int:
-        return self.history.evicted
-
-    @property
     def counters(self) -> dict[str, int]:
         """What the progress bar and benchmarks show: live rows, rows ever inserted and
-        evicted, bytes held."""
-        return {"rows": len(self), "inserted": self.inserted, "evicted": self.evicted,
-                "bytes": self.nbytes}
+        evicted, bytes held; with admission, new ids admitted and rejected."""
+        h = self.history
+        out = {"rows": len(self), "inserted": h.inserted, "evicted": h.evicted, "bytes": self.nbytes}
+        if self.admission is not None:
+            out.update(admitted=self.admission.admitted, rejected=self.admission.rejected)
+        return out
 
     @staticmethod
     def estimated_bytes(layout: RowLayout, rows: int, reserved: bool = False) -> int:
@@ -125,9 +119,10 @@ class RowStore:
 
     # -- training -----------------------------------------------------------------------------
     def lookup_for_update(self, ids: torch.Tensor) -> torch.Tensor:
-        """The slots of a training batch: one step of the clock, eviction when no fused update
-        is pending (a delete moves rows), then ``find_or_insert``. Under a pending update the
-        store must not grow either (the update would land in the dropped arrays): refused."""
+        """The slots of a training batch: one step of the clock, admission (``admission.py``:
+        -1 for ids not admitted yet), eviction when no fused update is pending (a delete moves
+        rows), then ``find_or_insert``. Under a pending update the store must not grow either
+        (the update would land in the dropped arrays): refused."""
         if self._pending is not None and len(self) + ids.numel() > self.capacity:
             raise RuntimeError(
                 f"KV-ZCH table '{self.params.name}': a second forward before the backward of the "
@@ -135,6 +130,16 @@ class RowStore:
                 "update; run backward between forwards, or reserve capacity up front "
                 "(RowStore.reserve / the planner's expected_rows)")
         self.clock += 1
+        if self.admission is not None:
+            ids = as_ids(ids, self.device, check=False)  # range: checked by find
+            ok = self.admission.admit(ids, self.find(ids) >= 0)
+            if not bool(ok.all()):
+                slots = torch.full_like(ids, -1)
+                slots[ok] = self._evict_then_insert(ids[ok])
+                return slots
+        return self._evict_then_insert(ids)
+
+    def _evict_then_insert(self, ids: torch.Tensor) -> torch.Tensor:
         if self._pending is None:
             self.evictor.before_insert(ids)
         return self.find_or_insert(ids)
@@ -259,7 +264,7 @@ class RowStore:
             raise ValueError(f"table '{self.params.name}': ids are keys, not values; "
                              "write rows by id (write_ids / write_rows) instead")
         slots = slots.reshape(-1).long()
-        values = self._check_values(values, slots.numel(), part)
+        values = self.layout.checked(values, slots.numel(), part, self.params.name, self.device)
         self._before_change(slots)
         self.arrays.write(slots, values, part, self.layout, self.native)
 
@@ -267,7 +272,7 @@ class RowStore:
         """Write ``part`` of the rows of ids, creating absent rows first. For whole rows the ids
         must equal the header keys (use ``write_rows`` to take ids from the headers)."""
         ids = as_ids(ids, self.device, check=False)  # range: checked by the lookup
-        values = self._check_values(values, ids.numel(), RowPart(part))
+        values = self.layout.checked(values, ids.numel(), RowPart(part), self.params.name, self.device)
         if RowPart(part) is RowPart.ROW:
             keys = self.layout.unpack(values)[0]
             if not torch.equal(keys, ids):
@@ -286,7 +291,8 @@ class RowStore:
         without ``optimizer``, only weights and headers are written: new rows' optimizer state
         starts fresh."""
         if layout is None or layout == self.layout:
-            rows = self._check_values(rows, rows.shape[0] if rows.dim() else -1, RowPart.ROW)
+            n = rows.shape[0] if rows.dim() else -1
+            rows = self.layout.checked(rows, n, RowPart.ROW, self.params.name, self.device)
             layout = self.layout
         elif (layout.embedding_dim, layout.dtype) != (self.layout.embedding_dim, self.layout.dtype):
             raise ValueError(f"table '{self.params.name}': rows of {layout.embedding_dim} x "
@@ -366,9 +372,7 @@ class RowStore:
         # and zero-filling a grown table costs more than the copy.
         ids = self.bucket_range.id_end - self.bucket_range.id_start
         space = max(rows, min(ids, max(_RESERVED_ROWS, 4 * rows)))
-        self._set_arrays(RowArrays.allocate(self.layout, rows, self.device, self.native, space))
-
-    def _set_arrays(self, arrays: RowArrays) -> None:
+        arrays = RowArrays.allocate(self.layout, rows, self.device, self.native, space)
         self.weights, self.optimizer, self.meta = arrays.tensors
 
     def _resize(self, rows: int, keep: int) -> None:
@@ -378,7 +382,7 @@ class RowStore:
             old = self.arrays
             in_place = old.resized_in_place(rows, keep, self.native)
             if in_place is not None:
-                self._set_arrays(in_place)
+                self.weights, self.optimizer, self.meta = in_place.tensors
                 return
             self._alloc(rows)
             self.arrays.assign(slice(0, keep), old, slice(0, keep))
@@ -393,6 +397,3 @@ class RowStore:
                 f"table '{self.params.name}': id {e.id} is outside this shard's ids "
                 f"[{r.id_start}, {r.id_end}) (buckets [{r.start}, {r.end}) of size {r.size}); "
                 "route ids to the rank owning their bucket (id // bucket_size)") from None
-
-    def _check_values(self, values: torch.Tensor, n: int, part: RowPart) -> torch.Tensor:
-        return self.layout.checked(values, n, part, self.params.name, self.device)

@@ -30,7 +30,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torch import nn
 
-from torchrec_kvzch.params import BucketRange, KVZCHTableParams
+from torchrec_kvzch.params import AdmissionDefault, BucketRange, KVZCHTableParams
 from torchrec_kvzch.table.eviction import SharedBudget
 from torchrec_kvzch.table.row_store import RowStore
 
@@ -44,6 +44,10 @@ class TableTBE(nn.Module):
     ``forward(ids, offsets, per_sample_weights)`` takes global ids in TBE's jagged layout
     (``offsets`` over features x batch, features of this table only) and returns pooled
     ``[B, F * D]`` (``pooling`` SUM or MEAN) or per-id ``[len(ids), D]`` rows (NONE).
+
+    With admission (``params.admission``), ids the store has not admitted yet read the default
+    row instead: zeros, or ``default``, a one-row TBE of its own trained by the same fused
+    optimizer. Pooled outputs combine both parts as one bag would (MEAN over all of its ids).
     """
 
     def __init__(
@@ -70,20 +74,28 @@ class TableTBE(nn.Module):
         self.store = RowStore(params, bucket_range, self.device, backend, initial_rows, budget)
         location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
-        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            # One placeholder row: the real rows are bound from the store in _bind().
-            [(1, params.embedding_dim, location, compute)],
-            feature_table_map=[0] * num_features,
-            optimizer=params.optimizer.to_fbgemm(),
-            learning_rate=params.learning_rate,
-            eps=params.eps,
-            pooling_mode=pooling,
-            weights_precision=_PRECISION[params.dtype],
-            stochastic_rounding=params.stochastic_rounding,
-            output_dtype=SparseType.FP32,
-            bounds_check_mode=BoundsCheckMode.NONE,  # slots come from the store, always in range
-            device=self.device,
-        )
+        def one_row_tbe() -> SplitTableBatchedEmbeddingBagsCodegen:
+            return SplitTableBatchedEmbeddingBagsCodegen(
+                [(1, params.embedding_dim, location, compute)],
+                feature_table_map=[0] * num_features,
+                optimizer=params.optimizer.to_fbgemm(),
+                learning_rate=params.learning_rate,
+                eps=params.eps,
+                pooling_mode=pooling,
+                weights_precision=_PRECISION[params.dtype],
+                stochastic_rounding=params.stochastic_rounding,
+                output_dtype=SparseType.FP32,
+                bounds_check_mode=BoundsCheckMode.NONE,  # slots come from the store, always in range
+                device=self.device,
+            )
+
+        self.pooling = pooling
+        self.tbe = one_row_tbe()  # its one placeholder row: the store's rows are bound in _bind()
+        self.default: SplitTableBatchedEmbeddingBagsCodegen | None = None
+        if params.admission.enabled and params.admission.default is AdmissionDefault.TRAINABLE:
+            self.default = one_row_tbe()  # the shared row of ids not admitted yet, from zeros
+            with torch.no_grad():
+                self.default.split_embedding_weights()[0].zero_()
         self._suffix = "dev" if on_cuda else "host"
         self._hyper = (params.learning_rate, params.eps)
         self._bound: torch.Tensor | None = None
@@ -99,12 +111,49 @@ class TableTBE(nn.Module):
             return self._evaluate(ids, offsets, per_sample_weights)
         slots = self.store.lookup_for_update(ids)
         self._bind()
-        out = self.tbe(slots, offsets.long(), per_sample_weights)
+        admitted = slots >= 0
+        if self.store.admission is None or bool(admitted.all()):
+            out = self.tbe(slots, offsets.long(), per_sample_weights)
+        else:
+            out = self._with_default(slots, offsets.long(), per_sample_weights, admitted)
         if out.requires_grad:
-            self.store.expect_update(slots)
+            self.store.expect_update(slots[admitted])
             # Runs as the output's gradient arrives, i.e. just before fbgemm's fused update.
             out.register_hook(lambda grad: self.store.update_started())
         return out
+
+    def _with_default(self, slots, offsets, per_sample_weights, admitted) -> torch.Tensor:
+        """The lookup of a batch part of whose ids read the default row (``admitted`` False):
+        each part through its own TBE, on the same bags, then put together."""
+        lengths = offsets[1:] - offsets[:-1]
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=slots.device), lengths)
+
+        def part(mask: torch.Tensor):
+            n = torch.bincount(bag[mask], minlength=lengths.numel())
+            weights = per_sample_weights[mask] if per_sample_weights is not None else None
+            return n, torch.cat([offsets[:1], offsets[0] + n.cumsum(0)]), weights
+
+        n_in, off_in, w_in = part(admitted)
+        n_out, off_out, w_out = part(~admitted)
+        main = self.tbe(slots[admitted], off_in, w_in)
+        other = (self.default(torch.zeros_like(slots[~admitted]), off_out, w_out)
+                 if self.default is not None else None)
+        if self.pooling == PoolingMode.NONE:
+            rows = main.new_zeros(slots.numel(), main.shape[1])
+            rows[admitted] = main
+            if other is not None:
+                rows[~admitted] = other
+            return rows
+        if self.pooling == PoolingMode.MEAN:  # each part's mean, weighted by its share of the bag
+            total = (n_in + n_out).clamp(min=1).to(main.dtype)
+
+            def scale(n: torch.Tensor) -> torch.Tensor:  # per bag -> the output's [B, F * D]
+                share = (n / total).view(self.num_features, -1).t()
+                return share.repeat_interleave(self.params.embedding_dim, dim=1)
+
+            main = main * scale(n_in)
+            other = other * scale(n_out) if other is not None else None
+        return main + other if other is not None else main
 
     def set_hyper_parameters(self, lr: float, eps: float) -> None:
         """The learning rate and eps of the next fused update (fbgemm reads them in backward)."""
@@ -114,17 +163,24 @@ class TableTBE(nn.Module):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"KV-ZCH table '{self.params.name}': optimizer {name} must be a "
                                  f"finite number >= 0, got {value!r}")
-        self.tbe.update_hyper_parameters({"lr": float(lr), "eps": float(eps)})
+        for tbe in (self.tbe, self.default):
+            if tbe is not None:
+                tbe.update_hyper_parameters({"lr": float(lr), "eps": float(eps)})
         self._hyper = (lr, eps)
 
     def _evaluate(self, ids, offsets, per_sample_weights) -> torch.Tensor:
         """An evaluation lookup (``torch.no_grad()`` or ``model.eval()``) changes nothing: no
         rows are created, evicted or touched and the clock stays, so evaluating between
         training steps leaves training (and a resumed run) exactly as without it. An unseen id
-        reads as the id-seeded weights its row would start with. The same TBE pools the rows,
-        bound for this call to just the batch's distinct rows, so outputs match training's."""
+        reads as the id-seeded weights its row would start with, or, with admission, as the
+        default row. The same TBE pools the rows, bound for this call to just the batch's
+        distinct rows, so outputs match training's."""
         unique, slots = torch.unique(ids, return_inverse=True)
         rows = self.store.peek(unique)
+        if self.store.admission is not None:
+            absent = self.store.find(unique) < 0
+            rows[absent] = (self.default.split_embedding_weights()[0].to(rows.dtype)
+                            if self.default is not None else 0)
         if not rows.shape[0]:  # fbgemm takes empty CPU weights for device ones: one unused row
             rows = rows.new_zeros(1, rows.shape[1])
         self._set_tensor(f"weights_{self._suffix}", rows.view(-1))
@@ -132,6 +188,16 @@ class TableTBE(nn.Module):
         self._bound = None  # the next training forward binds the store again
         with torch.no_grad():
             return self.tbe(slots, offsets.long(), per_sample_weights)
+
+    def default_state(self) -> dict[str, torch.Tensor]:
+        """The trainable default row as views: ``weight`` ``[1, D]`` and, for rowwise Adagrad,
+        ``momentum1`` ``[1, 1]`` (empty without a trainable default row)."""
+        if self.default is None:
+            return {}
+        out = {"weight": self.default.split_embedding_weights()[0]}
+        if self.store.layout.optimizer_floats:
+            out["momentum1"] = getattr(self.default, f"momentum1_{self._suffix}").detach().view(1, -1)
+        return out
 
     def _bind(self) -> None:
         """Point fbgemm's TBE at the store's current arrays (cheap; re-done after growth)."""

@@ -40,7 +40,14 @@ from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
-from torchrec_kvzch.params import OPTIMIZER_DEFAULTS, EvictionPolicy, KVZCHTableParams, OptimizerKind, RankBudget
+from torchrec_kvzch.params import (
+    OPTIMIZER_DEFAULTS,
+    AdmissionPolicy,
+    EvictionPolicy,
+    KVZCHTableParams,
+    OptimizerKind,
+    RankBudget,
+)
 from torchrec_kvzch.torchrec.planner import KVZCHConstraints, KVZCHShardingPlanner
 from torchrec_kvzch.torchrec.modules import kvzch_sharders
 from torchrec_kvzch.torchrec.tables import kvzch_embedding_bag_config, kvzch_embedding_config
@@ -51,7 +58,6 @@ _POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 _OPTIMIZER_KEYS = {"type", "learning_rate", "eps"}
 _TABLE_KEYS = {"name", "embedding_dim", "features", "pooling", "num_embeddings", "kvzch", "planner"}
 _KVZCH_KEYS = {f.name for f in fields(KVZCHTableParams)} - {"name", "embedding_dim", "defaulted"}
-_EVICTION_KEYS = {f.name for f in fields(EvictionPolicy)}
 _RANK_BUDGET_KEYS = {f.name for f in fields(RankBudget)}
 _PLANNER_KEYS = {"sharding_types", "compute_kernels", "pooling_factors", "num_poolings",
                  "batch_sizes", "min_partition", "enforce_hbm"}
@@ -260,9 +266,10 @@ class _Parser:
         kv["optimizer"] = self.optimizer_kind(kv.get("optimizer", kind), f"{where}.optimizer")
         kv.setdefault("learning_rate", lr)
         kv.setdefault("eps", eps)
-        if "eviction" in kv:
-            ev = self.mapping(kv["eviction"], f"{where}.eviction", _EVICTION_KEYS)
-            kv["eviction"] = EvictionPolicy(**self.typed(EvictionPolicy, ev, f"{where}.eviction"))
+        for key, cls in (("eviction", EvictionPolicy), ("admission", AdmissionPolicy)):
+            if key in kv:
+                block = self.mapping(kv[key], f"{where}.{key}", {f.name for f in fields(cls)})
+                kv[key] = cls(**self.typed(cls, block, f"{where}.{key}"))
         try:
             return KVZCHTableParams(name=name, embedding_dim=dim, **kv)
         except (TypeError, ValueError) as e:

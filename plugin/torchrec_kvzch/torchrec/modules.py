@@ -39,6 +39,7 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 
+from torchrec_kvzch.torchrec.admission_state import ADMISSION_ENTRIES, load_admission
 from torchrec_kvzch.torchrec.state_dict import (
     TABLE_ENTRIES, UPSTREAM_ONLY_ENTRIES, kv_view, load_materialised, table_entries)
 from torchrec_kvzch.table.kv_tensor import KVTensor
@@ -293,10 +294,12 @@ def _take_kvzch_entries(module, state_dict, prefix, *args) -> None:
         base = f"{prefix}{module._tables_prefix}{name}."
         entries = {k: state_dict.pop(base + k) for k in TABLE_ENTRIES + UPSTREAM_ONLY_ENTRIES
                    if base + k in state_dict}
+        admission = {k: state_dict.pop(base + k) for k in ADMISSION_ENTRIES if base + k in state_dict}
         view = kv_view(entries.get("weight"))
         if "weight" in entries and (view is None or view.store is not tbe.store):
             part = RowPart.ROW if tbe.params.backend_return_whole_row else RowPart.WEIGHT
             load_materialised(KVTensor(tbe.store, part), entries)
+            load_admission(tbe, admission)
             loaded = True
     if loaded:
         _add_kvzch_entries(module, {}, prefix, None)

@@ -79,7 +79,8 @@ class KVZCHStorageEstimator(EmbeddingStorageEstimator):
             for shard in option.shards:
                 start, rows, size = shard.offset[0], shard.size[0], params.bucket_size
                 buckets = BucketRange(start // size, (start + rows) // size, size)
-                nbytes = RowStore.estimated_bytes(layout, params.expected_shard_rows(buckets))
+                nbytes = (RowStore.estimated_bytes(layout, params.expected_shard_rows(buckets))
+                          + params.admission.sketch_bytes)
                 shard.storage = Storage(hbm=nbytes, ddr=0) if self._on_cuda else Storage(hbm=0, ddr=nbytes)
 
 

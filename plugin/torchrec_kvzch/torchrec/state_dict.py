@@ -38,6 +38,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from torchrec_kvzch.table.tbe import TableTBE
+from torchrec_kvzch.torchrec.admission_state import admission_entries
 from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.table.layout import RowPart, meta_timestamp, meta_used
 from torchrec_kvzch.table.snapshot import RowSnapshot
@@ -106,6 +107,7 @@ def table_entries(tables: Iterator[tuple[str, TableTBE]], prefix: str,
         out[f"{prefix}{snap.name}.bucket"] = bucket_sharded_tensor(snap, per_bucket, pg)
         out[f"{prefix}{snap.name}.counters"] = bucket_sharded_tensor(snap, snap.counters, pg)
         out[f"{prefix}{snap.name}.clock"] = torch.tensor([snap.clock])
+        out.update(admission_entries(snap.tbe, f"{prefix}{snap.name}.", pg))
         if snap.store.layout.optimizer_floats:
             state = rows_sharded_tensor(
                 snap.view(RowPart.OPTIMIZER, read_only=params.backend_return_whole_row), counts, pg)

@@ -1,0 +1,105 @@
+"""The training job's command line: its options, and the checks that refuse a bad one before
+any process starts (``train.py`` runs the job)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from torchrec_kvzch.job import config_path
+from torchrec_kvzch.params import AdmissionPolicy
+from torchrec_kvzch.torchrec.config import ShardingConfig, load_config
+
+DESCRIPTION = "Train a DLRM with KV-ZCH tables on N processes, checkpoint, resume."
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="torchrec-kvzch-train", description=DESCRIPTION,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default="quickstart",
+                   help="sharding config: a YAML path, or the name of a shipped one (quickstart, criteo, eviction, large)")
+    p.add_argument("--nproc", type=int, default=2, help="processes to launch (ignored under torchrun)")
+    p.add_argument("--steps", type=int, default=300, help="train until this global step")
+    p.add_argument("--global-batch-size", type=int, default=4096, help="examples per step over all ranks")
+    p.add_argument("--run-dir", default=None, help="checkpoints, metrics and summary (default runs/<config>)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--async-checkpoint", action="store_true", help="save in the background while training goes on")
+    p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
+    p.add_argument("--resume", default="auto", help="'auto' (latest complete checkpoint, if any), 'none', or a step")
+    p.add_argument("--criteo", nargs="+", metavar="TSV", help="train on Criteo TSV files instead of the synthetic log")
+    p.add_argument("--population", type=int, default=100_000, help="synthetic: Zipf population per feature")
+    p.add_argument("--zipf-alpha", type=float, default=1.05, help="synthetic: id skew")
+    p.add_argument("--new-id-fraction", type=float, default=0.02, help="synthetic: share of never-seen ids")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dense-lr", type=float, default=0.05, help="Adagrad learning rate of the dense layers")
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress and metrics updates")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="collectives give up after this long")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
+    p.add_argument("--summary", default=None, help="summary JSON (default <run-dir>/summary.json)")
+    p.add_argument("--admission", default=None, metavar="KIND:VALUE[:DEFAULT]",
+                   help="admission for every KV-ZCH table, over the config's: count:MIN_COUNT or "
+                        "probability:P, then zeros (default) or trainable for ids not admitted yet")
+    p.add_argument("--crash-drill", default=None, metavar="RANK:STEP[:save]",
+                   help="kill RANK with SIGKILL at STEP (':save': in the middle of that step's checkpoint); "
+                        "for rehearsing failures")
+    args = p.parse_args(argv)
+    args.config = config_path(args.config)
+    args.run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+    args.summary = Path(args.summary or args.run_dir / "summary.json")
+    return args
+
+
+def check_args(args: argparse.Namespace, world_size: int) -> None:
+    """Refuse a bad command line before any process starts (config errors name file and key)."""
+    config = job_config(args)
+    dims = {t.embedding_dim for t in config.tables}
+    if len(dims) != 1:
+        raise SystemExit(f"{args.config}: DLRM needs one embedding_dim for all tables, got "
+                         + ", ".join(f"{t.name}={t.embedding_dim}" for t in config.tables))
+    if args.global_batch_size % world_size:
+        raise SystemExit(f"--global-batch-size {args.global_batch_size} is not divisible by the world size "
+                         f"{world_size}; use a multiple of {world_size}")
+    for name in ("steps", "global_batch_size", "log_every", "keep"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.resume not in ("auto", "none") and not args.resume.isdigit():
+        raise SystemExit(f"--resume {args.resume!r}: use 'auto', 'none' or a step number")
+    if args.crash_drill is not None:
+        parse_crash_drill(args.crash_drill)
+
+
+def parse_admission(text: str) -> AdmissionPolicy:
+    """``--admission``: ``count:N`` or ``probability:P``, optionally ``:zeros`` / ``:trainable``."""
+    parts = text.split(":")
+    try:
+        kind, value = parts[0], parts[1]
+        number = {"count": int, "probability": float}[kind](value)
+        policy = AdmissionPolicy(kind, **{"count": {"min_count": number},
+                                          "probability": {"probability": number}}[kind],
+                                 **({"default": parts[2]} if len(parts) == 3 else {}))
+        if len(parts) > 3:
+            raise ValueError("too many fields")
+        return policy.validate("--admission")
+    except (IndexError, KeyError, ValueError) as e:
+        raise SystemExit(f"--admission {text!r}: expected count:N or probability:P, then optionally "
+                         f":zeros or :trainable ({e})") from None
+
+
+def job_config(args: argparse.Namespace) -> ShardingConfig:
+    """The sharding config, with ``--admission`` (if given) for every KV-ZCH table."""
+    config = load_config(args.config)
+    if args.admission is None:
+        return config
+    policy = parse_admission(args.admission)
+    tables = tuple(dataclasses.replace(t, kvzch=dataclasses.replace(t.kvzch, admission=policy)) if t.kvzch else t
+                   for t in config.tables)
+    return dataclasses.replace(config, tables=tables)
+
+
+def parse_crash_drill(text: str) -> tuple[int, int, bool]:
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not all(x.isdigit() for x in parts[:2]) or parts[2:] not in ([], ["save"]):
+        raise SystemExit(f"--crash-drill {text!r}: expected RANK:STEP or RANK:STEP:save")
+    return int(parts[0]), int(parts[1]), parts[2:] == ["save"]

@@ -1,0 +1,143 @@
+"""Eviction: a table's ``EvictionPolicy`` and a rank's ``RankBudget`` (``table/eviction.py`` runs them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+
+from torchrec_kvzch.params.checks import member, positive_int
+
+
+class EvictionKind(str, enum.Enum):
+    NONE = "none"
+    TTL = "ttl"  # drop rows not touched for more than ttl_steps steps (or ttl_minutes)
+    LFU = "lfu"  # decay access counts, drop rows whose count falls below count_threshold
+    LRU = "lru"  # under a budget, drop the least recently touched rows first
+    L2 = "l2"  # drop rows whose weights' L2 norm is below l2_threshold
+
+
+class EvictionTrigger(str, enum.Enum):
+    """When a ``ttl`` / ``lfu`` / ``l2`` pass runs (fbgemm's trigger modes, by name)."""
+
+    INTERVAL = "interval"  # every interval_steps training steps
+    ROWS = "rows"  # when the shard holds more than trigger_rows rows
+    BYTES = "bytes"  # when the shard's memory passes trigger_bytes
+    FREE_MEMORY = "free_memory"  # when the host's available memory falls below free_memory_bytes
+    MANUAL = "manual"  # only when asked: ``store.evictor.run_pass()``
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """When rows leave a table shard. Timestamps (training steps) and access counts live in each
+    row's metaheader.
+
+    A pass of ``ttl``, ``lfu`` or ``l2`` drops the rows its rule condemns: ``ttl`` rows not
+    touched for more than ``ttl_steps`` steps, or ``ttl_minutes`` of wall-clock time; ``lfu``
+    first decays every access count (``count := floor(count * count_decay)``), then drops rows
+    whose count is below ``count_threshold`` (and, with a TTL, only those also past it, as
+    fbgemm's count-and-timestamp strategy); ``l2`` rows whose weights' L2 norm is below
+    ``l2_threshold``. ``trigger`` says when a pass runs: every ``interval_steps`` steps (the
+    default), past ``trigger_rows`` rows or ``trigger_bytes`` bytes in the shard, below
+    ``free_memory_bytes`` of available host memory (checked every ``interval_steps``), or on
+    request only (``manual``).
+
+    A budget (``max_rows`` and/or ``max_bytes`` per table shard) is enforced before every
+    insert: the policy's least valuable rows go first (oldest timestamp for ``lru``, ``ttl`` and
+    ``l2``, lowest count for ``lfu``). Rows of the batch being looked up are never evicted for it.
+    """
+
+    kind: EvictionKind | str = EvictionKind.NONE
+    ttl_steps: int | None = None
+    count_threshold: int | None = None
+    count_decay: float = 1.0
+    max_rows: int | None = None
+    max_bytes: int | None = None
+    interval_steps: int = 1
+    ttl_minutes: float | None = None
+    l2_threshold: float | None = None
+    trigger: EvictionTrigger | str = EvictionTrigger.INTERVAL
+    trigger_rows: int | None = None
+    trigger_bytes: int | None = None
+    free_memory_bytes: int | None = None
+
+    def validate(self, table: str) -> "EvictionPolicy":
+        def fail(problem: str):
+            raise ValueError(f"KV-ZCH table '{table}': {problem}")
+
+        kind = member(EvictionKind, self.kind, "eviction.kind", fail)
+        trigger = member(EvictionTrigger, self.trigger, "eviction.trigger", fail)
+        for name in ("ttl_steps", "count_threshold", "max_rows", "max_bytes", "interval_steps",
+                     "trigger_rows", "trigger_bytes", "free_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and not positive_int(value):
+                fail(f"eviction.{name} must be a positive integer, got {value!r}")
+        for name in ("ttl_minutes", "l2_threshold"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+                fail(f"eviction.{name} must be a positive number, got {value!r}")
+        if self.ttl_steps is not None and self.ttl_minutes is not None:
+            fail("eviction.ttl_steps and eviction.ttl_minutes are two TTLs; give one")
+        has_ttl = self.ttl_steps is not None or self.ttl_minutes is not None
+        if kind is EvictionKind.TTL and not has_ttl:
+            fail("eviction.kind 'ttl' needs eviction.ttl_steps (training steps) or "
+                 "eviction.ttl_minutes (wall-clock time)")
+        if kind is EvictionKind.LFU and self.count_threshold is None:
+            fail("eviction.kind 'lfu' needs eviction.count_threshold as a positive integer, got None")
+        if kind is EvictionKind.L2 and self.l2_threshold is None:
+            fail("eviction.kind 'l2' needs eviction.l2_threshold as a positive number, got None")
+        own = {EvictionKind.TTL: ("ttl_steps", "ttl_minutes"), EvictionKind.LFU: ("count_threshold",
+               "ttl_steps", "ttl_minutes"), EvictionKind.L2: ("l2_threshold",)}.get(kind, ())
+        for name in ("ttl_steps", "ttl_minutes", "count_threshold", "l2_threshold"):
+            if getattr(self, name) is not None and name not in own:
+                fail(f"eviction.{name} has no effect with eviction.kind '{kind.value}'; drop it or "
+                     "choose the kind that uses it")
+        budget = self.max_rows is not None or self.max_bytes is not None
+        if kind is EvictionKind.LRU and not budget:
+            fail("eviction.kind 'lru' needs eviction.max_rows or eviction.max_bytes as a positive integer")
+        if kind is EvictionKind.NONE and budget:
+            fail("a budget (eviction.max_rows / max_bytes) needs eviction.kind lru, ttl, lfu or l2, "
+                 "which decides the rows that go first")
+        need = {EvictionTrigger.ROWS: "trigger_rows", EvictionTrigger.BYTES: "trigger_bytes",
+                EvictionTrigger.FREE_MEMORY: "free_memory_bytes"}
+        for trig, name in need.items():
+            if (trigger is trig) != (getattr(self, name) is not None):
+                fail(f"eviction.{name} goes with eviction.trigger '{trig.value}' (and it needs it)")
+        if trigger is not EvictionTrigger.INTERVAL and kind in (EvictionKind.NONE, EvictionKind.LRU):
+            fail(f"eviction.trigger '{trigger.value}' starts a pass of a ttl, lfu or l2 policy; "
+                 f"kind '{kind.value}' has none")
+        if not 0.0 < float(self.count_decay) <= 1.0:
+            fail(f"eviction.count_decay must be in (0, 1], got {self.count_decay!r}")
+        return dataclasses.replace(self, kind=kind, trigger=trigger, count_decay=float(self.count_decay))
+
+    @property
+    def enabled(self) -> bool:
+        return EvictionKind(self.kind) is not EvictionKind.NONE
+
+
+@dataclass(frozen=True)
+class RankBudget:
+    """A memory budget shared by every KV-ZCH table shard of a rank (``max_rows`` and/or
+    ``max_bytes`` over all of them). When a batch's new rows would take the rank past it, the
+    least valuable rows of any table go first, by ``order``: ``lru`` (oldest timestamp) or
+    ``lfu`` (lowest count, then oldest). Each table's own ``EvictionPolicy`` still applies.
+    """
+
+    max_rows: int | None = None
+    max_bytes: int | None = None
+    order: EvictionKind | str = EvictionKind.LRU
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and not positive_int(value):
+                raise ValueError(f"rank budget: {name} must be a positive integer, got {value!r}")
+        if self.max_rows is None and self.max_bytes is None:
+            raise ValueError("rank budget: set max_rows and/or max_bytes (the limit over all "
+                             "KV-ZCH table shards of a rank)")
+        order = str(getattr(self.order, "value", self.order)).lower()
+        if order not in (EvictionKind.LRU.value, EvictionKind.LFU.value):
+            raise ValueError(f"rank budget: order {self.order!r} is unknown; use lru or lfu")
+        object.__setattr__(self, "order", EvictionKind(order))

@@ -1,0 +1,156 @@
+"""``KVZCHTableParams``, the options of one KV-ZCH table, and the bucket math of its shards."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from torchrec_kvzch.params.admission import AdmissionPolicy
+from torchrec_kvzch.params.checks import pair, positive_int
+from torchrec_kvzch.params.eviction import EvictionPolicy
+from torchrec_kvzch.params.optimizer import OPTIMIZER_DEFAULTS, OptimizerKind
+
+_WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BucketRange:
+    """The contiguous buckets ``[start, end)`` one rank owns; ``size`` ids per bucket."""
+
+    start: int
+    end: int
+    size: int
+
+    @property
+    def num_buckets(self) -> int:
+        return self.end - self.start
+
+    @property
+    def id_start(self) -> int:
+        return self.start * self.size
+
+    @property
+    def id_end(self) -> int:
+        return self.end * self.size
+
+    def local_buckets(self, ids):
+        """The bucket of each of ``ids`` (a tensor of this range's ids), 0 = this range's first."""
+        return ids.div(self.size, rounding_mode="floor") - self.start
+
+
+@dataclass(frozen=True)
+class KVZCHTableParams:
+    """Options of one KV-ZCH table. Validated on construction."""
+
+    name: str
+    embedding_dim: int
+    num_embeddings: int = 2**40
+    total_num_buckets: int = 1024
+    # None: the sharders' fused params decide, else exact_row_wise_adagrad, 0.01, 1e-8, True
+    optimizer: OptimizerKind | str | None = None
+    learning_rate: float | None = None
+    eps: float | None = None
+    stochastic_rounding: bool | None = None  # fp16 rows: round updates stochastically (fbgemm's default)
+    init_range: tuple[float, float] = (-0.01, 0.01)
+    init_seed: int | None = None  # None: derived from the table name
+    weight_dtype: str = "fp32"
+    enable_optimizer_offloading: bool = False
+    backend_return_whole_row: bool = False
+    eviction: EvictionPolicy = field(default_factory=EvictionPolicy)
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    checkpoint_chunk_rows: int = 65536
+    expected_rows: int = 1_000_000  # live rows over all ranks; sizes the planner's DRAM estimate
+    # The optimizer fields left unset (filled with defaults): the sharders' fused params may set them.
+    defaulted: frozenset[str] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"KV-ZCH table name must be a non-empty string, got {self.name!r}")
+        fail = self._fail
+        if self.defaulted is None:
+            object.__setattr__(self, "defaulted", frozenset(
+                name for name in OPTIMIZER_DEFAULTS if getattr(self, name) is None))
+        for name, value in OPTIMIZER_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        for name in ("embedding_dim", "num_embeddings", "total_num_buckets", "checkpoint_chunk_rows",
+                     "expected_rows"):
+            if not positive_int(getattr(self, name)):
+                fail(name, f"must be a positive integer, got {getattr(self, name)!r}",
+                     "pass a value >= 1")
+        if self.num_embeddings % self.total_num_buckets:
+            fail("num_embeddings",
+                 f"{self.num_embeddings} is not a multiple of total_num_buckets={self.total_num_buckets}",
+                 "choose num_embeddings = k * total_num_buckets (e.g. a power of two for both)")
+        object.__setattr__(self, "optimizer", OptimizerKind.parse(self.optimizer, self.name))
+        if not isinstance(self.stochastic_rounding, bool):
+            fail("stochastic_rounding", f"must be True or False, got {self.stochastic_rounding!r}",
+                 "pass a bool")
+        for name in ("learning_rate", "eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                fail(name, f"must be a positive finite number, got {value!r}", "e.g. 0.01")
+        low, high = pair(self.init_range, "init_range", fail)
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            fail("init_range", f"must be finite (low, high) with low < high, got {self.init_range!r}",
+                 "e.g. (-0.01, 0.01)")
+        if self.weight_dtype not in _WEIGHT_DTYPES:
+            fail("weight_dtype", f"{self.weight_dtype!r} is not supported",
+                 f"use one of {', '.join(_WEIGHT_DTYPES)}")
+        if self.backend_return_whole_row and not self.enable_optimizer_offloading:
+            fail("backend_return_whole_row",
+                 "is only valid with enable_optimizer_offloading=True (whole rows carry the "
+                 "optimizer state, which must then live in the store)",
+                 "set enable_optimizer_offloading=True or backend_return_whole_row=False")
+        if not isinstance(self.eviction, EvictionPolicy):
+            fail("eviction", f"must be an EvictionPolicy, got {type(self.eviction).__name__}",
+                 "pass EvictionPolicy(...)")
+        object.__setattr__(self, "eviction", self.eviction.validate(self.name))
+        if not isinstance(self.admission, AdmissionPolicy):
+            fail("admission", f"must be an AdmissionPolicy, got {type(self.admission).__name__}",
+                 "pass AdmissionPolicy(...)")
+        object.__setattr__(self, "admission", self.admission.validate(self.name))
+        if self.init_seed is None:
+            object.__setattr__(self, "init_seed", zlib.crc32(self.name.encode()))
+        elif not isinstance(self.init_seed, int):
+            fail("init_seed", f"must be an integer or None, got {self.init_seed!r}", "e.g. 0")
+
+    def _fail(self, field_name: str, problem: str, fix: str):
+        raise ValueError(f"KV-ZCH table '{self.name}': {field_name} {problem}; fix: {fix}")
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return _WEIGHT_DTYPES[self.weight_dtype]
+
+    @property
+    def bucket_size(self) -> int:
+        return self.num_embeddings // self.total_num_buckets
+
+    def bucket_range(self, rank: int, world_size: int) -> BucketRange:
+        """Buckets of ``rank``: contiguous ranges, the first ``total % world`` ranks take one more.
+        Identical to TorchRec's ``_get_sharded_local_buckets_for_zero_collision``."""
+        self.check_world_size(world_size)
+        if not (isinstance(rank, int) and 0 <= rank < world_size):
+            self._fail("rank", f"{rank!r} is outside [0, {world_size})", "pass 0 <= rank < world_size")
+        base, extra = divmod(self.total_num_buckets, world_size)
+        start = rank * base + min(rank, extra)
+        return BucketRange(start, start + base + (rank < extra), self.bucket_size)
+
+    def check_world_size(self, world_size: int) -> None:
+        if not positive_int(world_size):
+            self._fail("world_size", f"must be a positive integer, got {world_size!r}", "pass >= 1")
+        if self.total_num_buckets < world_size:
+            self._fail("total_num_buckets",
+                       f"({self.total_num_buckets}) is smaller than the world size ({world_size}), "
+                       "so some ranks would own no bucket",
+                       f"use at least {world_size} buckets (a multiple of the world size is best)")
+
+    def expected_shard_rows(self, bucket_range: BucketRange) -> int:
+        """Expected live rows of one shard: ``expected_rows`` in proportion to its buckets
+        (ids spread evenly over buckets), at most the shard's id range."""
+        share = -(-self.expected_rows * bucket_range.num_buckets // self.total_num_buckets)
+        return min(share, bucket_range.num_buckets * bucket_range.size)

@@ -12,9 +12,7 @@ setup(
     ext_modules=[
         CppExtension(
             "torchrec_kvzch._C",
-            ["plugin/torchrec_kvzch/table/csrc/id_map_ops.cpp",
-             "plugin/torchrec_kvzch/table/csrc/row_ops.cpp",
-             "plugin/torchrec_kvzch/table/csrc/checkpoint_ops.cpp"],
+            ["plugin/torchrec_kvzch/table/csrc/ops.cpp"],  # which includes the others: see there
             # fp-contract=off keeps the id-seeded initializer bit-identical to its torch twin.
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"] + (["-mavx2"] if X86_64 else []),
             extra_link_args=["-fopenmp"],

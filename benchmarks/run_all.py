@@ -8,7 +8,7 @@ writes ``results/<name>.json`` (and a PNG where a plot helps); this script then 
 ``results/summary.json`` with every target, its measured value and whether it was met, the wall
 time of each, and how quiet the machine was (load before the run, CPU steal during it). After
 a whole run (not ``--only``) it regenerates the table in ``docs/benchmarks.md`` from it (between
-the ``bench:table`` markers) and copies the run's JSON to ``docs/benchmarks/``, so the figures
+the ``bench:table`` markers) and copies the run's JSON and plots to ``docs/benchmarks/``, so the figures
 there are one dated run's, never retyped; ``--no-docs`` (old name ``--no-readme``) leaves both
 alone. A target is named ``<JSON key> <comparison>``.
 """
@@ -80,13 +80,14 @@ def table(summary: dict) -> str:
 
 
 def update_docs(text: str, results: Path) -> None:
-    """The table of docs/benchmarks.md, and in docs/benchmarks/ the run's JSON it was made from."""
+    """The table of docs/benchmarks.md, and in docs/benchmarks/ the run's JSON it was made from
+    and its plots."""
     page = PAGE.read_text()
     start, end = (page.index(m) for m in MARKERS)
     PAGE.write_text(page[: start + len(MARKERS[0])] + "\n" + text + "\n" + page[end:])
     DOCS.mkdir(parents=True, exist_ok=True)
-    for path in results.glob("*.json"):
-        if path.name != "demo.json":
+    for path in [*results.glob("*.json"), *results.glob("*.png")]:
+        if not path.name.startswith("demo"):
             shutil.copyfile(path, DOCS / path.name)
 
 

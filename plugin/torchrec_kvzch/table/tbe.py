@@ -111,13 +111,14 @@ class TableTBE(nn.Module):
             return self._evaluate(ids, offsets, per_sample_weights)
         slots = self.store.lookup_for_update(ids)
         self._bind()
-        admitted = slots >= 0
-        if self.store.admission is None or bool(admitted.all()):
+        admitted = slots >= 0 if self.store.admission is not None else None
+        if admitted is None or bool(admitted.all()):
             out = self.tbe(slots, offsets.long(), per_sample_weights)
         else:
             out = self._with_default(slots, offsets.long(), per_sample_weights, admitted)
+            slots = slots[admitted]
         if out.requires_grad:
-            self.store.expect_update(slots[admitted])
+            self.store.expect_update(slots)
             # Runs as the output's gradient arrives, i.e. just before fbgemm's fused update.
             out.register_hook(lambda grad: self.store.update_started())
         return out

@@ -27,6 +27,7 @@
 #include <utility>
 
 namespace kvzch {
+namespace {
 
 constexpr int64_t kEmpty = -1;
 constexpr int64_t kTomb = -2;
@@ -189,4 +190,5 @@ void walk_probes(uint64_t mask, const Entry* t, int64_t count, HomeAt home_at, V
   resume(count, true);  // the last ones: nothing left to overlap them with
 }
 
+}  // namespace
 }  // namespace kvzch

@@ -19,7 +19,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvzch.torchrec.config import ShardingConfig
-from torchrec_kvzch.table.id_map import mix64  # splitmix64: a cheap, well-spread hash
+from torchrec_kvzch.table.id_map import mix64, unit_uniform  # splitmix64: a cheap, well-spread hash
 
 DENSE_FEATURES = INT_FEATURE_COUNT  # 13, as in Criteo
 _PROBE_STEP = -1  # the fixed batch that predictions are compared on
@@ -27,7 +27,7 @@ _PROBE_STEP = -1  # the fixed batch that predictions are compared on
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
     """A hash mapped to [-1, 1)."""
-    return ((mix64(x) >> 11) & ((1 << 53) - 1)).double().div(2.0**52).sub(1.0)
+    return unit_uniform(mix64(x)).mul(2.0).sub(1.0)  # exact: powers of two
 
 
 def _rank_slice(n: int, rank: int, world_size: int) -> slice:
@@ -82,7 +82,7 @@ class SyntheticClickLog:
         """Counter-based uniforms in [0, 1): example ``index`` of ``step`` gets the same numbers
         whichever rank draws them, so a rank computes only its own slice."""
         key = int(mix64(torch.tensor([(self.seed << 40) + ((step + 2) << 8) + stream]))[0])
-        return ((mix64(index + key) >> 11) & ((1 << 53) - 1)).double() / 2.0**53
+        return unit_uniform(mix64(index + key))
 
     def _examples(self, step: int, index: torch.Tensor) -> Batch:
         nf, n = len(self.features), index.numel()

@@ -2,8 +2,8 @@
 
 A count-min sketch counts sightings: ``depth`` rows of ``width`` uint8 counters, saturating at
 255 (admission needs counts up to ``min_count`` only); an id's count is the smallest of its
-``depth`` counters, one per row, picked by a salted splitmix64 hash. Updates are conservative (only counters below the id's new count are raised), which keeps overcounts
-small. A batch is counted at once: each distinct new id adds its occurrences in the batch, and
+``depth`` counters, one per row, picked by a salted splitmix64 hash. Updates are conservative
+(only counters below the id's new count are raised), which keeps overcounts small. A batch is counted at once: each distinct new id adds its occurrences in the batch, and
 counters shared by ids of the same batch take the largest new count (an order-free form of the
 conservative update, so the result does not depend on how the batch is ordered).
 
@@ -23,14 +23,9 @@ from __future__ import annotations
 import torch
 
 from torchrec_kvzch.params import AdmissionKind, AdmissionPolicy
-from torchrec_kvzch.table.id_map import mix64
+from torchrec_kvzch.table.id_map import mix64, unit_uniform
 
 COUNT_MAX = 255  # counters are uint8
-
-
-def _uniform(x: torch.Tensor) -> torch.Tensor:
-    """The top 53 bits of int64 hashes as float64 uniforms in [0, 1)."""
-    return ((x >> 11) & ((1 << 53) - 1)).double() / 2.0**53
 
 
 class Admission:
@@ -59,8 +54,11 @@ class Admission:
 
     def estimate(self, ids: torch.Tensor) -> torch.Tensor:
         """Sightings counted for each id (never fewer than the true count)."""
-        pos = self.positions(ids)
-        return torch.gather(self.counts, 1, pos).amin(0).long() if ids.numel() else ids
+        return self._counted(self.positions(ids)) if ids.numel() else ids
+
+    def _counted(self, pos: torch.Tensor) -> torch.Tensor:
+        """The count at the sketch positions ``pos`` of ids: their smallest counter."""
+        return torch.gather(self.counts, 1, pos).amin(0).long()
 
     def admit(self, ids: torch.Tensor, has_row: torch.Tensor) -> torch.Tensor:
         """Count the sightings of the batch ``ids`` that have no row yet (``has_row`` False) and
@@ -70,14 +68,14 @@ class Admission:
             return torch.ones_like(has_row)
         uniq, inverse, seen = torch.unique(new, return_inverse=True, return_counts=True)
         pos = self.positions(uniq)
-        after = (torch.gather(self.counts, 1, pos).amin(0).long() + seen).clamp_(max=COUNT_MAX)
+        after = (self._counted(pos) + seen).clamp_(max=COUNT_MAX)
         raised = after.to(torch.uint8).unsqueeze(0).expand_as(pos)
         self.counts.scatter_reduce_(1, pos, raised, reduce="amax")
         if self.kind is AdmissionKind.COUNT:
             ok = after >= self.policy.min_count
         else:
             chance = 1.0 - (1.0 - self.policy.probability) ** seen.double()
-            ok = _uniform(mix64(mix64(uniq ^ self._draw_salt) + after)) < chance
+            ok = unit_uniform(mix64(mix64(uniq ^ self._draw_salt) + after)) < chance
         admitted = int(ok.sum())
         self.totals += torch.tensor([admitted, uniq.numel() - admitted])
         out = has_row.clone()

@@ -68,6 +68,11 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+def unit_uniform(hashes: torch.Tensor) -> torch.Tensor:
+    """The top 53 bits of int64 hashes (``mix64``) as float64 uniforms in [0, 1)."""
+    return ((hashes >> 11) & ((1 << 53) - 1)).double() / 2.0**53
+
+
 BUCKET = 4  # entries per cache line; a probe starts at the first entry of its id's line
 
 

@@ -231,17 +231,17 @@ class RowStore:
             out[~hit, : self.layout.header_width] = header.view(self.layout.dtype)
         return out
 
-    def peek(self, ids: torch.Tensor) -> torch.Tensor:
-        """Weights of ids changing nothing: a live row's weights, else the id-seeded weights
-        the row would start with (what evaluation looks up)."""
+    def peek(self, ids: torch.Tensor, absent: torch.Tensor | None = None) -> torch.Tensor:
+        """Weights of ids changing nothing (what evaluation looks up): a live row's weights,
+        else ``absent`` (a ``[D]`` row) or, without it, the id-seeded weights it would start with."""
         ids = as_ids(ids, self.device, check=False)  # range: checked by the lookup
         slots = self.find(ids)
         out = self.weights[slots.clamp(min=0)]
         missing = torch.nonzero(slots < 0).view(-1)
-        if missing.numel():
-            fresh = out.new_empty(missing.numel(), out.shape[1])
-            self._initial_weights(fresh, ids[missing])
-            out[missing] = fresh
+        if missing.numel() and absent is not None:
+            out[missing] = absent.to(out.dtype)
+        elif missing.numel():
+            out[missing] = self._initial_weights(out.new_empty(missing.numel(), out.shape[1]), ids[missing])
         return out
 
     def pin(self, frozen) -> None:
@@ -363,9 +363,10 @@ class RowStore:
         self.optimizer[start:end] = 0
         self.meta[start:end] = make_meta(self.clock, 0, used=True)
 
-    def _initial_weights(self, out: torch.Tensor, ids: torch.Tensor) -> None:
+    def _initial_weights(self, out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         low, high = self.params.init_range
         fill_uniform_by_id(out, ids, low, high, self.params.init_seed, native=self.native)
+        return out
 
     def _alloc(self, rows: int) -> None:
         # Uninitialised on purpose: rows past len(self) are written by _init_rows before use,

@@ -177,11 +177,11 @@ class TableTBE(nn.Module):
         default row. The same TBE pools the rows, bound for this call to just the batch's
         distinct rows, so outputs match training's."""
         unique, slots = torch.unique(ids, return_inverse=True)
-        rows = self.store.peek(unique)
-        if self.store.admission is not None:
-            absent = self.store.find(unique) < 0
-            rows[absent] = (self.default.split_embedding_weights()[0].to(rows.dtype)
-                            if self.default is not None else 0)
+        absent = None
+        if self.store.admission is not None:  # ids without a row read the default row
+            absent = (self.default.split_embedding_weights()[0][0] if self.default is not None
+                      else torch.zeros(self.params.embedding_dim, dtype=self.params.dtype, device=self.device))
+        rows = self.store.peek(unique, absent)
         if not rows.shape[0]:  # fbgemm takes empty CPU weights for device ones: one unused row
             rows = rows.new_zeros(1, rows.shape[1])
         self._set_tensor(f"weights_{self._suffix}", rows.view(-1))

@@ -153,6 +153,8 @@ def test_the_trainable_default_row_learns_from_every_id_not_admitted():
     ("{kind: count, min_count: 2, sketch_width: 1000}", "admission.sketch_width must be a power of two"),
     ("{kind: count, min_count: 2, default: mean}", "admission.default 'mean' is unknown"),
     ("{kind: lottery}", "admission.kind 'lottery' is unknown"),
+    ("{default: trainable}", "admission.default has no effect with admission.kind 'none'"),
+    ("{kind: none, sketch_width: 1024}", "admission.sketch_width has no effect with admission.kind 'none'"),
     ("{kind: count, min_count: 2, width: 8}", "kvzch.admission.width: unknown key"),
 ])
 def test_admission_is_declared_in_yaml_and_checked(tmp_path, block, fragment):

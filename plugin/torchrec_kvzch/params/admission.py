@@ -62,6 +62,11 @@ class AdmissionPolicy:
             if getattr(self, name) is not None and kind not in kinds:
                 fail(f"{name} has no effect with admission.kind '{kind.value}'; drop it or choose "
                      "the kind that uses it")
+        if kind is AdmissionKind.NONE:
+            for f in dataclasses.fields(self):
+                if f.name != "kind" and getattr(self, f.name) != f.default:
+                    fail(f"{f.name} has no effect with admission.kind 'none'; drop it or choose "
+                         "kind 'count' or 'probability'")
         if not (positive_int(self.sketch_width) and self.sketch_width & (self.sketch_width - 1) == 0):
             fail(f"sketch_width must be a power of two, got {self.sketch_width!r}")
         if not (positive_int(self.sketch_depth) and self.sketch_depth <= 16):

@@ -26,7 +26,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from _dist import RankPool, sharded
+from _dist import sharded
 from torchrec_kvzch import KVTensor, KVZCHTableParams, RowPart, RowStore
 from torchrec_kvzch import KVZCHLoadPlanner, KVZCHSavePlanner
 from torchrec_kvzch.checkpoint.record import PLANNER_DATA_KEY, CheckpointMappings, SavedTable, saved_record
@@ -86,14 +86,6 @@ def newest_stamp(store) -> int:
     meta = store.read_ids(torch.sort(store.keys()).values, "meta").reshape(-1)
     stamps = meta_timestamp(meta[meta_used(meta)])
     return int(stamps.max()) if stamps.numel() else 0
-
-
-@pytest.fixture(scope="module")
-def pools():
-    started = {w: RankPool(w, timeout=300) for w in (1, 2, 3)}
-    yield started
-    for pool in started.values():
-        pool.close()
 
 
 # -- 1. metadata readable with plain torch ------------------------------------------------------

@@ -29,7 +29,6 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from _dist import RankPool
 from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, RankBudget
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
@@ -174,15 +173,6 @@ def same(a, b, across_worlds=False) -> list[str]:
 
 
 # -- 1. resume is exact ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pools():
-    """Ranks for world sizes 1-3, started once for every case of this module."""
-    started = {w: RankPool(w, timeout=600) for w in (1, 2, 3)}
-    yield started
-    for pool in started.values():
-        pool.close()
-
-
 def reference_run(rank, world, kind, n, m, dense_lr):
     """N + M steps, with evaluation forwards of unseen ids between steps (they must change
     nothing); the state at the end and the last M steps' outputs."""

@@ -90,6 +90,21 @@ def test_admission_through_the_job_saves_its_state_and_resumes_exactly(tmp_path)
     assert second["resumed_from"] == 6 and second["probe_after_resume"] == first["probe_final"]
 
 
+def test_incremental_checkpoints_through_the_job_resume_exactly_at_another_world_size(tmp_path):
+    """``--incremental-every``: deltas between full checkpoints, smaller than them; the run
+    resumes from the last delta on 1 rank predicting exactly what the saved model did."""
+    _, first = train(tmp_path / "run", "--steps", 9, "--checkpoint-every", 4, "--incremental-every", 2,
+                     "--keep", 1, "--async-checkpoint")
+    assert steps_on_disk(tmp_path / "run") == ["step-00000008", "step-00000009"]
+    assert first["checkpoint_chain"] == [8, 9]
+    full, delta = first["checkpoint_chain_bytes"]
+    assert delta < full
+    _, second = train(tmp_path / "run", "--steps", 10, nproc=1, summary="resumed.json")
+    assert second["resumed_from"] == 9 and second["probe_after_resume"] == first["probe_final"]
+    with pytest.raises(SystemExit, match="not a multiple of --incremental-every 3"):
+        check_args(parse_args(["--config", QUICKSTART, "--incremental-every", "3"]), 2)
+
+
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
     run = tmp_path / "run"
     t0 = time.monotonic()

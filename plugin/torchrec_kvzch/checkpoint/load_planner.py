@@ -27,6 +27,12 @@ saving rank (``FileSystemWriter``'s default) a chunk's parts are held at once; p
 over several files are held until their partners arrive.
 
 Checkpoints saved by upstream TorchRec load too (``upstream.py``).
+
+An incremental checkpoint (a delta, ``torchrec/delta.py``) is one link of a chain and loads
+only with ``delta=True``, onto the state at its base: its rows are written by id over the
+store's (nothing is cleared), its deleted ids are removed, clock and counters are replaced.
+``CheckpointManager.load`` walks a chain with ``check_only`` (plan and verify every link before
+any changes) and ``tables_only`` (the links before the last: KV-ZCH rows only).
 """
 
 from __future__ import annotations
@@ -42,19 +48,21 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
 
 from torchrec_kvzch.checkpoint.files import SavedFiles
-from torchrec_kvzch.checkpoint.integrity import check_files, read_saved, verify_items
-from torchrec_kvzch.checkpoint.record import SavedTable, saved_record
-from torchrec_kvzch.checkpoint.table_load import RowSink, TableLoad, overlaps
+from torchrec_kvzch.checkpoint.integrity import check_files, verify_items
+from torchrec_kvzch.checkpoint.record import chain_link, saved_record
+from torchrec_kvzch.checkpoint.saved_tables import SavedTables
+from torchrec_kvzch.checkpoint.table_load import RowSink, TableLoad
 from torchrec_kvzch.checkpoint.upstream import UpstreamTables
-from torchrec_kvzch.table.kv_tensor import KVTensor
-from torchrec_kvzch.table.layout import RowLayout, RowPart
+from torchrec_kvzch.table.layout import RowPart
 from torchrec_kvzch.torchrec.admission_state import ADMISSION_ENTRIES, TOTALS
+from torchrec_kvzch.torchrec.delta import DELETED
 from torchrec_kvzch.torchrec.state_dict import kv_view
 
 
-class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
+class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
     def __init__(self, checkpoint_id: str | os.PathLike | None = None, verify: bool = True,
-                 load_optimizer: bool = True, **kwargs) -> None:
+                 load_optimizer: bool = True, *, delta: bool = False, check_only: bool = False,
+                 tables_only: bool = False, **kwargs) -> None:
         """``checkpoint_id``: the checkpoint's folder, named in errors and read to check its
         files before loading (pass it: without it the file checks are skipped, and a table
         saved with a larger ``num_embeddings``, or by upstream TorchRec, cannot be checked and
@@ -62,15 +70,19 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
         read). ``load_optimizer``: False loads KV-ZCH tables' weights with fresh optimizer
         state (upstream's ``load_ckpt_without_opt``), e.g. from a checkpoint of another
         optimizer; other entries load as the state dict asks (leave the optimizer's out to keep
-        it fresh too)."""
+        it fresh too). ``delta``: the checkpoint is a delta, applied onto the current state.
+        ``check_only``: plan and verify, change nothing. ``tables_only``: load the KV-ZCH
+        tables' rows, clock and counters, nothing else (a chain's links before the last)."""
         super().__init__(**kwargs)
         self._verify, self._load_optimizer = verify, load_optimizer
+        self._delta, self._check_only, self._tables_only = delta, check_only, tables_only
         self._checkpoint = str(checkpoint_id) if checkpoint_id is not None else "the checkpoint"
         self._checkpoint_dir = str(checkpoint_id) if checkpoint_id is not None else None
         self._tables: dict[str, TableLoad] = {}  # fqn of any entry read for a table -> it
         self._checksum_files: list[str] = []
         self._files: SavedFiles | None = None  # the checkpoint's files, read directly
         self._direct: list[ReadItem] = []  # rows read here rather than by DCP's reader
+        self._ignored: set[str] = set()  # entries not loaded (tables_only)
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False):
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -80,12 +92,21 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
         self._files = (SavedFiles(self._checkpoint_dir, metadata)
                        if self._checkpoint_dir is not None and getattr(metadata, "storage_data", None) else None)
         saved, self._checksum_files = saved_record(metadata.planner_data)
+        base = chain_link(metadata.planner_data)[1]
+        if (base is not None) != self._delta:
+            raise ValueError(
+                f"{self._checkpoint} is an incremental checkpoint (a delta of step {base['step']}): load it "
+                "with CheckpointManager.load, which applies its chain" if base is not None else
+                f"{self._checkpoint} is a full checkpoint, not a delta: load it with delta=False")
         views = {fqn: v for fqn, obj in self.state_dict.items() if (v := kv_view(obj)) is not None}
         by_store = {v.store: self._table(fqn, v, saved)
                     for fqn, v in views.items() if v.part in (RowPart.ROW, RowPart.WEIGHT)}
         for table in by_store.values():
             self._plan_table(table, views[table.base + "weight"].part)
-            self._plan_admission(table)
+            if self._delta:
+                self._plan_deleted(table)
+            if not self._tables_only:
+                self._plan_admission(table)
         for fqn, view in views.items():
             if view.part is RowPart.OPTIMIZER:
                 self._plan_entry(by_store[view.store], fqn, RowPart.OPTIMIZER)
@@ -96,6 +117,19 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
                                  "include the optimizer's state_dict(), or pass load_optimizer=False "
                                  "to start it fresh")
             self._check_aligned(table)
+        # tables_only: nothing but the tables' rows, clock and counters. (The rest stays in the
+        # state dict, left out of the plan: DCP takes keys missing there for an old format.)
+        self._ignored = {f for f in self.state_dict if f not in self._tables} if self._tables_only else set()
+
+    def _plan_deleted(self, table: TableLoad) -> None:
+        """A delta's ids deleted since its base: this rank reads the slice its rows come from."""
+        fqn = table.base + DELETED
+        if fqn not in self.metadata.state_dict_metadata:
+            raise ValueError(f"{self._checkpoint} has no '{fqn}' for KV-ZCH table '{table.name}': "
+                             "it is not a delta saved by CheckpointManager")
+        table.deleted_fqn = fqn
+        self.state_dict[fqn] = RowSink(self.metadata.state_dict_metadata[fqn].size, *table.deleted_range)
+        self._tables[fqn] = table
 
     def _plan_admission(self, table: TableLoad) -> None:
         """Admission state (``torchrec/admission_state.py``): loaded in place when saved at this
@@ -150,73 +184,6 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
             self.state_dict[fqn] = table.history[fqn]
             self._tables[fqn] = table
 
-    def _table(self, fqn: str, view: KVTensor, saved_tables) -> TableLoad:
-        """Check a table against what the checkpoint saved of it; plan its slice of the rows."""
-        params = view.store.params
-        where = f"{self._checkpoint}: KV-ZCH table '{params.name}'"
-        if fqn not in self.metadata.state_dict_metadata:
-            raise ValueError(f"{self._checkpoint} has no rows for KV-ZCH table '{params.name}' "
-                             f"(no entry '{fqn}'); was it saved from another model?")
-        saved = (saved_tables or {}).get(fqn)
-        if saved is None:
-            if self._is_upstream(fqn[: -len("weight")]):
-                return self._upstream_table(fqn, view)
-            raise ValueError(f"{where} was saved neither with KVZCHSavePlanner of this "
-                             "torchrec-kvzch version nor in upstream TorchRec's layout (weight_id and "
-                             "bucket beside the rows), so its rows cannot be placed; save with it")
-        if (saved.embedding_dim, saved.weight_dtype) != (params.embedding_dim, params.weight_dtype):
-            raise ValueError(f"{where} was saved with embedding_dim {saved.embedding_dim} "
-                             f"({saved.weight_dtype}), this model has {params.embedding_dim} "
-                             f"({params.weight_dtype}); load it into a table of the same shape")
-        if saved.whole_row != params.backend_return_whole_row:
-            raise ValueError(f"{where} was saved with backend_return_whole_row={saved.whole_row}, "
-                             f"this model has {params.backend_return_whole_row}; load with the setting "
-                             "it was saved with")
-        if saved.optimizer != params.optimizer.value and self._load_optimizer:
-            raise ValueError(f"{where} was saved with optimizer {saved.optimizer}, this model uses "
-                             f"{params.optimizer.value}: its optimizer state does not fit. Pass "
-                             "load_optimizer=False to load the weights with fresh optimizer state")
-        saved_params = saved.params(params)
-        table = TableLoad(view.store, fqn[: -len("weight")], saved_params,
-                           RowLayout.for_table(saved_params),
-                           self._load_optimizer and view.store.layout.optimizer_floats > 0)
-        table.begin, table.end = self._row_range(table, saved.rows)
-        self._check_ids_fit(table, saved)
-        return table
-
-    def _row_range(self, table: TableLoad, rows: tuple[int, ...]) -> tuple[int, int]:
-        """This rank's slice of the saved rows: those of the saved ranks whose ids overlap its own."""
-        mine = table.store.bucket_range
-        starts = [sum(rows[:r]) for r in range(len(rows))]
-        overlapping = [r for r in range(len(rows)) if rows[r] and overlaps(
-            table.saved.bucket_range(r, len(rows)), mine)]
-        if not overlapping:
-            return 0, 0
-        return starts[overlapping[0]], starts[overlapping[-1]] + rows[overlapping[-1]]
-
-    def _check_ids_fit(self, table: TableLoad, saved: SavedTable) -> None:
-        """A table saved with a larger id space may hold ids this one cannot: the largest saved
-        id (the last row of ``weight_id``: rows ascend by id) must fit."""
-        limit = table.store.params.num_embeddings
-        total = sum(saved.rows)
-        if saved.num_embeddings <= limit or not total:
-            return
-        if self._checkpoint_dir is None:
-            raise ValueError(f"KV-ZCH table '{table.name}' was saved with num_embeddings "
-                             f"{saved.num_embeddings}, more than this model's {limit}: pass "
-                             "checkpoint_id to KVZCHLoadPlanner so the saved ids can be checked")
-        fqn = table.base + "weight_id"
-        chunk = next(c for c in self.metadata.state_dict_metadata[fqn].chunks
-                     if c.offsets[0] <= total - 1 < c.offsets[0] + c.sizes[0])
-        self._check_files([MetadataIndex(fqn, chunk.offsets)])
-        largest = int(read_saved(self._checkpoint_dir, self.metadata, MetadataIndex(fqn, chunk.offsets))[-1])
-        if largest >= limit:
-            raise ValueError(
-                f"{self._checkpoint}: KV-ZCH table '{table.name}' holds ids up to {largest}, saved "
-                f"with num_embeddings {saved.num_embeddings}; this model's num_embeddings {limit} "
-                f"cannot hold them. Use num_embeddings > {largest} (a multiple of total_num_buckets) "
-                "or remap the ids")
-
     def _plan_entry(self, table: TableLoad, fqn: str, part: RowPart) -> None:
         """Rows to stream for ``fqn`` as ``part``, or none (``_skip``) where the rows carry it
         already or it is not loaded."""
@@ -265,6 +232,8 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
 
     def create_local_plan(self):
         plan = super().create_local_plan()
+        if self._ignored:
+            plan = dataclasses.replace(plan, items=[i for i in plan.items if i.dest_index.fqn not in self._ignored])
         indices = [item.storage_index for item in plan.items] + self._skipped_items()
         indices = list(dict.fromkeys(indices))
         self._check_files(indices)
@@ -330,13 +299,19 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
         return f"entry '{fqn}'" + (f" of KV-ZCH table '{table.name}'" if table else "")
 
     def finish_plan(self, new_plan):
-        # Every rank's plan is valid: replace the stores' rows with the checkpoint's, with room
-        # reserved for the most rows that can arrive (no growth copies while streaming).
+        if self._check_only:  # every rank's plan is valid: that was all to find out
+            if self._files is not None:
+                self._files.close()
+            return dataclasses.replace(super().finish_plan(new_plan), items=[])
+        # Every rank's plan is valid: replace the stores' rows with the checkpoint's (a delta:
+        # write them over), with room reserved for the most rows that can arrive (no growth
+        # copies while streaming).
         for table in set(self._tables.values()):
-            table.store.clear()
+            if not self._delta:
+                table.store.clear()
             for block in table.admission_live.values():
                 block.zero_()
-            table.store.reserve(table.end - table.begin)
+            table.store.reserve(len(table.store) + table.end - table.begin)
             if table.upstream:  # no history saved: counters zero, clock from the loaded headers
                 p = table.store.params
                 table.store.restore_history(0, torch.zeros(p.total_num_buckets, 2, dtype=torch.long),
@@ -369,6 +344,8 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
 
     def resolve_tensor(self, read_item):
         table = self._tables.get(read_item.dest_index.fqn)
+        if table is not None and read_item.dest_index.fqn == table.deleted_fqn:
+            return torch.empty(list(read_item.lengths), dtype=torch.long)
         if table is None or read_item.dest_index.fqn not in table.parts:
             return super().resolve_tensor(read_item)  # ordinary entries, clock and counters
         return torch.empty(list(read_item.lengths), dtype=table.dtypes[read_item.dest_index.fqn])
@@ -380,6 +357,8 @@ class KVZCHLoadPlanner(UpstreamTables, DefaultLoadPlanner):
             return super().commit_tensor(read_item, tensor)
         if fqn in table.admission_saved:
             return table.receive_admission(fqn, tensor.shape[0])
+        if fqn == table.deleted_fqn:
+            return table.receive_deleted(tensor)
         if fqn not in table.parts:  # clock or counters, read in full into state_dict[fqn]
             return table.receive_history(fqn, tensor.shape[0])
         table.receive(table.parts[fqn], (read_item.dest_offsets[0], read_item.lengths[0]), tensor)

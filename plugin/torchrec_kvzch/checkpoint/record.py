@@ -1,7 +1,9 @@
 """The record a checkpoint keeps of its KV-ZCH tables, beside their rows: each table's geometry,
-optimizer and rows per saving rank, and the checksum side files (``integrity.py``). It is plain
-Python data (dicts, lists, str, int, bool) under one key of DCP's ``planner_data`` (beside DCP's
-own flattening mappings), so that the ``.metadata`` file unpickles with torch alone."""
+optimizer and rows per saving rank, the checksum side files (``integrity.py``), the
+checkpoint's unique id and, for an incremental checkpoint (a delta), its base's step and id. It
+is plain Python data (dicts, lists, str, int, bool) under one key of DCP's ``planner_data``
+(beside DCP's own flattening mappings), so that the ``.metadata`` file unpickles with torch
+alone."""
 
 from __future__ import annotations
 
@@ -28,12 +30,13 @@ class SavedTable:
     weight_dtype: str
     optimizer: str
     whole_row: bool
+    deleted: tuple[int, ...] | None = None  # a delta's: ids deleted since its base, per rank
 
     @classmethod
-    def of(cls, params: KVZCHTableParams, rows: list[int]) -> "SavedTable":
+    def of(cls, params: KVZCHTableParams, rows: list[int], deleted: list[int] | None = None) -> "SavedTable":
         return cls(params.name, tuple(rows), params.num_embeddings, params.total_num_buckets,
                    params.embedding_dim, params.weight_dtype, params.optimizer.value,
-                   params.backend_return_whole_row)
+                   params.backend_return_whole_row, None if deleted is None else tuple(deleted))
 
     def params(self, current: KVZCHTableParams) -> KVZCHTableParams:
         """The saved table's parameters (for its bucket split and row layout)."""
@@ -43,16 +46,21 @@ class SavedTable:
 
     def to_plain(self, row_width: int) -> dict:
         """The record as plain data (what ``.metadata`` stores); ``row_width`` is informative."""
-        return {"name": self.name, "rows_per_rank": list(self.rows),
-                "num_embeddings": self.num_embeddings, "total_num_buckets": self.total_num_buckets,
-                "embedding_dim": self.embedding_dim, "weight_dtype": self.weight_dtype,
-                "optimizer": self.optimizer, "layout": "whole_row" if self.whole_row else "split",
-                "row_width": row_width}
+        out = {"name": self.name, "rows_per_rank": list(self.rows),
+               "num_embeddings": self.num_embeddings, "total_num_buckets": self.total_num_buckets,
+               "embedding_dim": self.embedding_dim, "weight_dtype": self.weight_dtype,
+               "optimizer": self.optimizer, "layout": "whole_row" if self.whole_row else "split",
+               "row_width": row_width}
+        if self.deleted is not None:
+            out["deleted_per_rank"] = list(self.deleted)
+        return out
 
     @classmethod
     def from_plain(cls, d: dict) -> "SavedTable":
+        deleted = d.get("deleted_per_rank")
         return cls(d["name"], tuple(d["rows_per_rank"]), d["num_embeddings"], d["total_num_buckets"],
-                   d["embedding_dim"], d["weight_dtype"], d["optimizer"], d["layout"] == "whole_row")
+                   d["embedding_dim"], d["weight_dtype"], d["optimizer"], d["layout"] == "whole_row",
+                   None if deleted is None else tuple(deleted))
 
 
 class CheckpointMappings(dict):
@@ -77,3 +85,12 @@ def saved_record(planner_data) -> tuple[dict[str, SavedTable] | None, list[str]]
     if old is not None:
         return dict(old), list(getattr(planner_data, "checksum_files", []))
     return None, []
+
+
+def chain_link(planner_data) -> tuple[str | None, dict | None]:
+    """(this checkpoint's unique id, its base ``{"step": int, "uid": str}`` if it is a delta) of
+    a checkpoint's metadata; (None, None) for checkpoints saved before either was recorded."""
+    record = planner_data.get(PLANNER_DATA_KEY) if isinstance(planner_data, dict) else None
+    if not isinstance(record, dict):
+        return None, None
+    return record.get("uid"), record.get("base")

@@ -4,7 +4,8 @@ KV-ZCH entries arrive already cut into chunks (one local shard per
 ``checkpoint_chunk_rows`` rows), so DCP plans them like any sharded tensor; the planner only
 materialises each chunk when the writer asks for it. It records in the checkpoint's metadata
 what a load needs to place rows by id: each table's geometry, optimizer and rows per rank, and
-the checksum side files (``integrity.py``) holding a checksum of every item written. That
+the checksum side files (``integrity.py``) holding a checksum of every item written, a unique
+id for the checkpoint and, for a delta (``torchrec/delta.py``), its base's. That
 record is plain Python data (dicts, lists, str, int, bool) under one key of DCP's
 ``planner_data`` (beside DCP's own flattening mappings), so that the ``.metadata`` file unpickles
 with torch alone. Snapshots frozen for an async save (``staging.py``) are released as soon as
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from collections import Counter
 
 import torch.distributed as dist
@@ -25,10 +27,17 @@ from torchrec_kvzch.checkpoint.buffers import ChunkBuffers
 from torchrec_kvzch.checkpoint.integrity import ChecksumRecorder, checksum_file
 from torchrec_kvzch.checkpoint.record import FORMAT, PLANNER_DATA_KEY, SavedTable
 from torchrec_kvzch.table.layout import RowPart
+from torchrec_kvzch.torchrec.delta import DELETED
 from torchrec_kvzch.torchrec.state_dict import kv_view
 
 
 class KVZCHSavePlanner(DefaultSavePlanner):
+    def __init__(self, *args, base: dict | None = None, **kwargs) -> None:
+        """``base``: for a delta (a state dict from ``delta_state``), the checkpoint it is a
+        delta of, ``{"step": int, "uid": str}`` (``CheckpointManager`` passes it)."""
+        super().__init__(*args, **kwargs)
+        self._base = base
+
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         if PLANNER_DATA_KEY in self.state_dict:
@@ -92,16 +101,23 @@ class KVZCHSavePlanner(DefaultSavePlanner):
         for fqn, obj in self.state_dict.items():
             view = kv_view(obj)
             if view is not None and view.part in (RowPart.ROW, RowPart.WEIGHT):
-                shards = obj.metadata().shards_metadata  # every rank has >= 1 (maybe empty) chunk
-                world = 1 + max(s.placement.rank() for s in shards)
-                rows = [sum(s.shard_sizes[0] for s in shards if s.placement.rank() == r)
-                        for r in range(world)]
-                tables[fqn] = SavedTable.of(view.store.params, rows).to_plain(view.shape[1])
+                deleted = self.state_dict.get(fqn[: -len("weight")] + DELETED)
+                tables[fqn] = SavedTable.of(view.store.params, _rows_per_rank(obj),
+                                            None if deleted is None else _rows_per_rank(deleted)
+                                            ).to_plain(view.shape[1])
         # Side files need a local folder (the writer has created it while planning).
         local = self._checksums is not None and os.path.isdir(self._checksums.directory)
         files = [checksum_file(r) for r in range(len(all_plans))] if local else []
         # (A cached plan's metadata already holds a record: replaced, not wrapped.)
         mappings = {k: v for k, v in (metadata.planner_data or {}).items() if k != PLANNER_DATA_KEY}
-        mappings[PLANNER_DATA_KEY] = {"format": FORMAT, "tables": tables, "checksum_files": files}
+        mappings[PLANNER_DATA_KEY] = {"format": FORMAT, "tables": tables, "checksum_files": files,
+                                      "uid": uuid.uuid4().hex, "base": self._base}
         metadata.planner_data = mappings
         return plans, metadata
+
+
+def _rows_per_rank(entry) -> list[int]:
+    """Rows of a row-wise ShardedTensor per rank (every rank has >= 1, maybe empty, chunk)."""
+    shards = entry.metadata().shards_metadata
+    world = 1 + max(s.placement.rank() for s in shards)
+    return [sum(s.shard_sizes[0] for s in shards if s.placement.rank() == r) for r in range(world)]

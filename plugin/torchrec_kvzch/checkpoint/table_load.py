@@ -35,6 +35,8 @@ class TableLoad:
         self.arrived: Counter = Counter()  # clock / counters / admission fqn -> rows arrived
         self.admission_live: dict[str, torch.Tensor] = {}  # admission entry -> this shard's block
         self.admission_saved: dict[str, torch.Tensor] = {}  # fqn -> whole saved entry, to merge
+        self.deleted_fqn: str | None = None  # a delta's ids deleted since its base
+        self.deleted_range = (0, 0)  # this rank's slice of them
         empty = torch.empty(0, dtype=torch.long)
         self._loaders = {part: KVTensor(store, part, ids=empty) for part in RowPart if part is not RowPart.ID}
 
@@ -53,6 +55,14 @@ class TableLoad:
         if all(self.arrived[f] == len(t) for f, t in self.admission_saved.items()):
             merge(self.admission_live, {f[len(self.base):]: t for f, t in self.admission_saved.items()},
                   self.name)
+
+    def receive_deleted(self, ids: torch.Tensor) -> None:
+        """A delta's deleted ids arrived: the rows of those in this shard go. (They are never
+        among the delta's rows, so the order of the two does not matter.)"""
+        ids, r = ids.reshape(-1), self.store.bucket_range
+        ids = ids[(ids >= r.id_start) & (ids < r.id_end)]
+        if ids.numel():
+            self.store.delete(ids)
 
     def receive(self, part: RowPart, key: tuple[int, int], tensor: torch.Tensor) -> None:
         """Saved rows ``key = (first row, rows)`` of one part arrived."""

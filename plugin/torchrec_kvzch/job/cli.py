@@ -25,7 +25,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="checkpoints, metrics and summary (default runs/<config>)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--async-checkpoint", action="store_true", help="save in the background while training goes on")
-    p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
+    p.add_argument("--incremental-every", type=int, default=0, metavar="K",
+                   help="also save a delta (the rows changed since the checkpoint before) every K steps "
+                        "between the full checkpoints of --checkpoint-every (0: no deltas)")
+    p.add_argument("--keep", type=int, default=2,
+                   help="restorable checkpoints to keep (with the checkpoints their deltas build on)")
     p.add_argument("--resume", default="auto", help="'auto' (latest complete checkpoint, if any), 'none', or a step")
     p.add_argument("--criteo", nargs="+", metavar="TSV", help="train on Criteo TSV files instead of the synthetic log")
     p.add_argument("--population", type=int, default=100_000, help="synthetic: Zipf population per feature")
@@ -64,6 +68,11 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     for name in ("steps", "global_batch_size", "log_every", "keep"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.incremental_every < 0 or args.checkpoint_every < 0:
+        raise SystemExit("--checkpoint-every and --incremental-every must be >= 0")
+    if args.incremental_every and args.checkpoint_every % args.incremental_every:
+        raise SystemExit(f"--checkpoint-every {args.checkpoint_every} is not a multiple of --incremental-every "
+                         f"{args.incremental_every}: full checkpoints fall on delta steps; use a multiple")
     if args.resume not in ("auto", "none") and not args.resume.isdigit():
         raise SystemExit(f"--resume {args.resume!r}: use 'auto', 'none' or a step number")
     if args.crash_drill is not None:

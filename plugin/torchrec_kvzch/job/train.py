@@ -117,8 +117,10 @@ class Trainer:
             print(plan, file=sys.stderr)
         # Async saves run their collectives on a thread: they get a group of their own.
         checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout_s))
+        # With deltas, the job says which save is full (every --checkpoint-every steps).
+        full_every = max(2, args.checkpoint_every // args.incremental_every) if args.incremental_every else 1
         self.checkpoints = CheckpointManager(args.run_dir / "checkpoints", keep=args.keep,
-                                             process_group=checkpoint_group)
+                                             process_group=checkpoint_group, full_every=full_every)
         self.step = self.start = 0
         self.train_s, self.losses = 0.0, []
         self.summary: dict = {"config": str(args.config), "world_size": self.world_size,
@@ -187,7 +189,8 @@ class Trainer:
             self.bar.update(1)
             if self.step % args.log_every == 0 or self.step == args.steps:
                 self.log()
-            if self.step == args.steps or (args.checkpoint_every and self.step % args.checkpoint_every == 0):
+            if self.step == args.steps or any(k and self.step % k == 0
+                                              for k in (args.checkpoint_every, args.incremental_every)):
                 self.save()
         t0 = time.perf_counter()
         self.checkpoints.close()  # an async save still being written
@@ -223,7 +226,10 @@ class Trainer:
     def save(self) -> None:
         dying = self.drill is not None and self.drill == (self.rank, self.step, True)
         t0 = time.perf_counter()
-        self.checkpoints.save(self.state(), self.step, asynchronous=self.args.async_checkpoint or dying)
+        every = self.args.checkpoint_every
+        delta = bool(self.args.incremental_every) and not (every and self.step % every == 0)
+        self.checkpoints.save(self.state(), self.step, asynchronous=self.args.async_checkpoint or dying,
+                              incremental=delta if self.args.incremental_every else None)
         if dying:  # staged, the background write under way: the worst moment to die
             os.kill(os.getpid(), signal.SIGKILL)
         blocked = time.perf_counter() - t0
@@ -246,8 +252,10 @@ class Trainer:
         latest = self.checkpoints.latest()
         if latest is not None:
             summary["checkpoint_step"] = latest
-            summary["checkpoint_bytes"] = sum(f.stat().st_size for f in self.checkpoints.path(latest).rglob("*")
-                                              if f.is_file())
+            summary["checkpoint_chain"] = self.checkpoints.chain(latest)  # [full, deltas...]
+            summary["checkpoint_chain_bytes"] = [sum(f.stat().st_size for f in self.checkpoints.path(s).rglob("*")
+                                                     if f.is_file()) for s in summary["checkpoint_chain"]]
+            summary["checkpoint_bytes"] = summary["checkpoint_chain_bytes"][-1]
         if self.rank == 0:
             self.args.summary.parent.mkdir(parents=True, exist_ok=True)
             self.args.summary.write_text(json.dumps(summary, indent=1))
@@ -315,7 +323,10 @@ def format_summary(s: dict) -> str:
     for c in s["checkpoints"]:
         lines.append(f"  checkpoint    step {c['step']}: training blocked {c['blocking_s']:.2f} s")
     if "checkpoint_bytes" in s:
-        lines.append(f"  latest        step {s['checkpoint_step']}, {s['checkpoint_bytes'] / 2**20:,.1f} MiB")
+        chain, sizes = s["checkpoint_chain"], s["checkpoint_chain_bytes"]
+        deltas = (f", a delta of step {chain[-2]}; its chain {' + '.join(f'{b / 2**20:,.1f}' for b in sizes)} MiB"
+                  if len(chain) > 1 else "")
+        lines.append(f"  latest        step {s['checkpoint_step']}, {sizes[-1] / 2**20:,.1f} MiB{deltas}")
     lines.append(f"  peak RSS      {', '.join(f'{r:,.0f}' for r in s['peak_rss_mib'])} MiB (per rank)")
     return "\n".join(lines)
 

@@ -1,21 +1,17 @@
 """The DRAM row store of one table shard: rows created on demand for each global id.
 
-The parts of a row live in separate arrays indexed by the id map's dense slots (``arrays.py``);
-the key is the id map's ``slot -> id`` array, stored once. Capacity grows and shrinks
-geometrically with the live rows, never with the virtual table size. Reads and writes address a
-``RowPart`` (``layout.py``); whole-row writes take each row's id from its header and skip rows
-whose used bit is 0.
+The parts of a row live in separate arrays indexed by the id map's dense slots (``arrays.py``;
+the key is the map's ``slot -> id`` array), growing and shrinking with the live rows, never with
+the virtual table size. Reads and writes address a ``RowPart`` (``layout.py``); whole-row writes
+take each row's id from its header and skip rows whose used bit is 0.
 
 Training goes through ``lookup_for_update``: it advances the store's clock, admits new ids
-(``admission.py``), runs eviction (``eviction.py``: the table's policy and the rank budget the
-store was built under), and finds or creates the batch's rows. The fused update that fbgemm's TBE writes into the rows in backward is
-announced with ``expect_update`` and ``update_started``: in between, no row may move (no
-eviction, no growth), and a frozen snapshot copies the rows it will change.
-
-Checkpoints read rows through snapshots (``snapshot.py``, which registers frozen ones with
-``pin``). While a snapshot is frozen, every method here that changes rows first lets it copy them
-aside (``preserve``); a frozen snapshot may be read from another thread, so array swaps (growth,
-shrinking, clear) happen under ``lock``.
+(``admission.py``), runs eviction (``eviction.py``), and finds or creates the batch's rows. The
+fused update fbgemm's TBE writes in backward is announced with ``expect_update`` and
+``update_started``: in between, no row may move, and a frozen snapshot copies the rows it will
+change. Checkpoints read rows through snapshots (``snapshot.py``; frozen ones are ``pin``-ned:
+every change first lets them copy rows aside, and array swaps happen under ``lock``, as another
+thread may read them); incremental ones ask ``changes`` what changed since a ``mark``.
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ import torch
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams
 from torchrec_kvzch.table.admission import Admission
 from torchrec_kvzch.table.arrays import RowArrays
+from torchrec_kvzch.table.changes import ChangeLog, ChangeMark
 from torchrec_kvzch.table.eviction import SCRATCH_BYTES_PER_ROW, Evictor, SharedBudget
 from torchrec_kvzch.table.history import EVICTED, INSERTED, BucketHistory
 from torchrec_kvzch.table.id_map import IdMap, IdOutOfRange, as_ids, map_bytes
@@ -66,6 +63,7 @@ class RowStore:
         self._pending: torch.Tensor | None = None  # slots the announced fused update will write
         self._frozen: tuple = ()  # copy-on-write states of frozen snapshots (see snapshot.py)
         self.history = BucketHistory(self.bucket_range)  # rows inserted and evicted, by bucket
+        self.changes = ChangeLog()  # what incremental checkpoints need to tell (changes.py)
         self.admission = (Admission(params.admission, params.init_seed, self.device)
                           if params.admission.enabled else None)
         self._reserved = 0  # capacity reserved up front: deletes never shrink below it
@@ -188,6 +186,7 @@ class RowStore:
             tail = torch.arange(before - found.numel(), before, device=self.device)
             self._before_change(torch.cat([found, tail]))
         moves = self.id_map.erase(ids)
+        self.changes.deleted(as_ids(ids, self.device, check=False))
         self.epoch += 1
         self.arrays.assign(moves.dst, self.arrays, moves.src)
         floor = max(_MIN_ROWS, self._reserved)
@@ -207,10 +206,8 @@ class RowStore:
     def read(self, slots: torch.Tensor, part: RowPart = RowPart.WEIGHT, *,
              keys: torch.Tensor | None = None, arrays: RowArrays | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows at live slots, as ``part``. ``arrays``: read these instead of the live ones
-        (then ``keys``, the rows' ids, are needed for whole rows and ids). ``out``: a contiguous
-        tensor of the result's shape and dtype to fill and return (a save reuses one per chunk:
-        a fresh tensor per chunk costs a page fault per 4 KiB written)."""
+        """Rows at live slots, as ``part``; from ``arrays`` (then with the rows' ``keys``)
+        instead of the live ones; into ``out`` (a save reuses one buffer: fewer page faults)."""
         slots = slots.reshape(-1).long()
         keys = self.id_map.slot_keys[slots] if keys is None else keys
         return (arrays or self.arrays).read(slots, RowPart(part), keys, self.layout, self.native, out)
@@ -244,10 +241,13 @@ class RowStore:
             out[missing] = self._initial_weights(out.new_empty(missing.numel(), out.shape[1]), ids[missing])
         return out
 
+    def mark(self) -> ChangeMark:
+        """Now, for telling later what changed since (``changes.py``)."""
+        return self.changes.mark(self.clock, self._pending is not None)
+
     def pin(self, frozen) -> None:
-        """Start copying rows aside for a frozen snapshot before they change: ``frozen`` gets
-        ``preserve(slots)`` before rows change, ``preserve_headers()`` before every header is
-        rewritten and ``let_go()`` when the arrays are dropped (``snapshot._Frozen``)."""
+        """Have a frozen snapshot (``snapshot._Frozen``) copy rows aside before they change
+        (``preserve``, ``preserve_headers``) and keep the arrays a clear drops (``let_go``)."""
         with self.lock:
             self._frozen = (*self._frozen, frozen)
 
@@ -266,6 +266,7 @@ class RowStore:
         slots = slots.reshape(-1).long()
         values = self.layout.checked(values, slots.numel(), part, self.params.name, self.device)
         self._before_change(slots)
+        self.changes.changed_untracked()  # no stamp: deltas cannot tell these rows
         self.arrays.write(slots, values, part, self.layout, self.native)
 
     def write_ids(self, ids: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
@@ -313,17 +314,14 @@ class RowStore:
         return keys.numel()
 
     def _slots_to_overwrite(self, keys: torch.Tensor) -> torch.Tensor:
-        """Slots of rows about to be written whole, as ``find_or_insert(touch=False)`` gives
-        them, except that new rows are not initialised: every part of them is written next,
-        and the id-seeded weights of rows a load overwrites were a third of its time. Needs
-        room for the new rows (a DCP load reserves it); without, ``find_or_insert`` grows."""
+        """``find_or_insert(touch=False)`` without initialising new rows (written whole next;
+        the id-seeded weights were a third of a load), given room for them (else it grows)."""
         if len(self) + keys.numel() > self.capacity:
             return self.find_or_insert(keys, touch=False)
         return self._mapped(self.id_map.find_or_insert, keys)
 
     def restore_history(self, clock: int, counters: torch.Tensor, bucket_size: int) -> None:
-        """Set the clock, and the history from a saved table's ``[buckets, 2]`` counters
-        (``BucketHistory.restore``)."""
+        """Set the clock, and the history from saved ``[buckets, 2]`` counters."""
         self.history.restore(counters, bucket_size)
         self.clock = int(clock)
 
@@ -343,12 +341,14 @@ class RowStore:
                 frozen.let_go()  # the dropped arrays stay readable for it, no copy needed
             self._frozen = ()
             self.id_map.clear()
+            self.changes.changed_untracked()
             self.epoch += 1
             self._alloc(_MIN_ROWS)
 
     # -- internals ----------------------------------------------------------------------------
     def before_header_rewrite(self) -> None:
         """Call before rewriting the header word of every row (lfu decay)."""
+        self.changes.changed_untracked()
         for frozen in self._frozen:
             frozen.preserve_headers()
 

@@ -4,6 +4,10 @@ Checkpoints read tables through snapshots: position ``i`` is the ``i``-th smalle
 the snapshot was taken. A plain snapshot reads the live rows (by slot while no row has moved,
 by id after), so a row trained after the snapshot reads as trained and a deleted one as absent.
 
+``changed_since(mark)`` is the snapshot of the rows changed since an earlier snapshot's
+``mark`` (an incremental checkpoint's rows), ``deleted_since(mark)`` the ids deleted since
+(``changes.py``).
+
 ``freeze()`` pins the rows to the moment of the call, for checkpoints written in the background
 while training goes on (``dcp.async_save``). From then on the store copies a snapshot row aside
 the first time anything is about to change it (copy on write), and the snapshot reads the copy.
@@ -22,8 +26,9 @@ import weakref
 import torch
 
 from torchrec_kvzch.table.arrays import RowArrays
+from torchrec_kvzch.table.changes import ChangeMark
 from torchrec_kvzch.table.id_map import ANY_ID, as_ids
-from torchrec_kvzch.table.layout import RowPart
+from torchrec_kvzch.table.layout import RowPart, meta_timestamp_view
 from torchrec_kvzch.table.row_store import RowStore
 
 
@@ -39,6 +44,7 @@ class RowSnapshot:
         else:
             self.ids, self.slots = as_ids(ids, store.device), None
         self.epoch = store.epoch
+        self.mark = store.mark()
         self._frozen: _Frozen | None = None
         self._unpin: weakref.finalize | None = None
 
@@ -52,6 +58,37 @@ class RowSnapshot:
         r = self.store.bucket_range
         edges = [min(r.id_start + k * r.size, ANY_ID[1]) for k in range(r.num_buckets + 1)]
         return torch.diff(torch.searchsorted(self.ids, torch.tensor(edges, device=self.ids.device)))
+
+    def changed_since(self, base: ChangeMark) -> "RowSnapshot":
+        """The rows of this snapshot changed since ``base`` (stamped at or after its clock),
+        as a snapshot of their own: same moment and mark, freezable. Refused when the store
+        cannot tell (``ChangeLog.covers``): the caller saves every row instead."""
+        self._check_current("told what changed")
+        if not self.store.changes.covers(base, self.mark):
+            raise ValueError(f"table '{self.store.params.name}': rows changed since the base "
+                             "without a trace (a load or write from outside training, lfu decay, "
+                             "or a delete before deletes were logged)")
+        n = len(self.store)
+        changed = meta_timestamp_view(self.store.meta[:n]) >= base.since
+        keep = torch.nonzero(changed[self.slots]).view(-1)
+        sub = RowSnapshot.__new__(RowSnapshot)
+        sub.store, sub.ids, sub.slots = self.store, self.ids[keep], self.slots[keep]
+        sub.epoch, sub.mark, sub._frozen, sub._unpin = self.epoch, self.mark, None, None
+        return sub
+
+    def deleted_since(self, base: ChangeMark) -> torch.Tensor:
+        """Ids deleted between ``base`` and this snapshot and not live in it, ascending."""
+        ids = self.store.changes.deleted_between(base, self.mark).to(self.ids.device)
+        if ids.numel() and self.ids.numel():
+            pos = torch.searchsorted(self.ids, ids).clamp_(max=self.ids.numel() - 1)
+            ids = ids[self.ids[pos] != ids]
+        return ids
+
+    def _check_current(self, what: str) -> None:
+        if self.slots is None or self.epoch != self.store.epoch:
+            raise ValueError(f"table '{self.store.params.name}': rows were deleted or reloaded "
+                             f"since this state dict was taken, so it cannot be {what}; take the "
+                             "state dict again right before saving")
 
     @property
     def frozen(self) -> bool:
@@ -78,10 +115,7 @@ class RowSnapshot:
         if self._frozen is not None:
             raise ValueError(f"table '{name}': this state dict is already being saved "
                              "asynchronously; take a new state dict for each save")
-        if self.slots is None or self.epoch != self.store.epoch:
-            raise ValueError(f"table '{name}': rows were deleted or reloaded since this state "
-                             "dict was taken, so it no longer describes the table; take the "
-                             "state dict again right before saving")
+        self._check_current("saved asynchronously")
         self._frozen = _Frozen(self.store, self.ids, self.slots)
         self.store.pin(self._frozen)
         # A snapshot dropped without release() must not keep the store copying rows.

@@ -1,0 +1,224 @@
+"""Incremental checkpoints: chains of deltas restore exactly, at any world size, or not at all.
+
+The model, its batches and the bit-for-bit comparison are test_resume's.
+"""
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from hypothesis import example, given, settings, strategies as st
+from torch.distributed.checkpoint.api import CheckpointException
+
+from test_resume import _damage, _history_totals, build, same, snapshot, state_of, train_step
+from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
+from torchrec_kvzch.checkpoint.manager import CheckpointManager
+from torchrec_kvzch.torchrec import kvzch_tables
+
+KINDS = ("none", "ttl", "lru", "rank")  # creates, updates and evictions of every trigger
+
+
+def save_chain(rank, world, kind, gaps, full_every, root, asynchronous, dense_lr):
+    """Train, saving after each of ``gaps`` steps (deltas between full checkpoints, every
+    ``full_every``-th in full); the state at the last save, and each save's kind."""
+    pg = dist.group.WORLD
+    model, dense = build(pg, kind, dense_lr)
+    group = dist.new_group(backend="gloo") if asynchronous else pg
+    manager = CheckpointManager(root, keep=1, process_group=group, full_every=full_every)
+    step, last = 0, None
+    for gap in gaps:
+        for _ in range(gap):
+            train_step(model, dense, step, rank, world)
+            step += 1
+        last = copy.deepcopy(snapshot(model, dense, pg))  # (its dense tensors are the live ones)
+        manager.save(state_of(model, dense), step, asynchronous=asynchronous)
+    for extra in range(step, step + 2):  # trains on while the last save is written
+        train_step(model, dense, extra, rank, world)
+    manager.close()
+    return last, [len(manager.chain(s)) for s in manager.steps()], step
+
+
+def restore(rank, world, kind, root, dense_lr, step=None):
+    """A model with rows of its own loads the chain; its state, or the error and whether the
+    model stayed as it was."""
+    pg = dist.group.WORLD
+    model, dense = build(pg, kind, dense_lr)
+    train_step(model, dense, 99, rank, world)  # rows, clock and history the load must replace
+    before = snapshot(model, dense, pg)
+    state = state_of(model, dense)
+    try:
+        CheckpointManager(root, process_group=pg, full_every=4).load(state, step)
+    except (CheckpointException, FileNotFoundError, ValueError) as e:
+        return str(e), same(before, snapshot(model, dense, pg)) == []
+    model.load_state_dict(state["model"])
+    model.fused_optimizer.load_state_dict(state["optim"])
+    dense.load_state_dict(state["dense"])
+    return None, snapshot(model, dense, pg)
+
+
+def differences(a, b, resharded: bool) -> list[str]:
+    """Bit for bit; across world sizes the counters per rank become totals (they follow the
+    buckets), and what differs by design is left out (``same``)."""
+    if not resharded:
+        return same(a, b)
+    totals = [] if _history_totals(a) == _history_totals(b) else [
+        f"history totals {_history_totals(a)} vs {_history_totals(b)}"]
+    def world_free(x):
+        return {**x, "history": 0, "plain_opt": {(0, 0): _whole(x["plain_opt"])}}
+    return same(world_free(a), world_free(b), across_worlds=True) + totals
+
+
+def _whole(shards: dict) -> torch.Tensor:
+    """The tensor that shards ``{offsets: tensor}`` of any sharding cut."""
+    rows = max(o[0] + t.shape[0] for o, t in shards.items())
+    cols = max((o[1] if len(o) > 1 else 0) + (t.shape[1] if t.dim() > 1 else 1) for o, t in shards.items())
+    out = torch.zeros(rows, cols)
+    for o, t in shards.items():
+        t = t.reshape(t.shape[0], -1)
+        c = o[1] if len(o) > 1 else 0
+        out[o[0]:o[0] + t.shape[0], c:c + t.shape[1]] = t
+    return out
+
+
+@settings(max_examples=max(6, settings().max_examples // 6), deadline=None)
+@given(kind=st.sampled_from(KINDS), w_save=st.integers(1, 3), w_load=st.integers(1, 3),
+       gaps=st.lists(st.integers(1, 3), min_size=2, max_size=5), full_every=st.integers(2, 4),
+       asynchronous=st.booleans())
+@example(kind="ttl", w_save=2, w_load=3, gaps=[2, 1, 3, 2], full_every=4, asynchronous=True)
+@example(kind="lru", w_save=3, w_load=1, gaps=[3, 2, 2], full_every=3, asynchronous=False)
+def _chain_property(pools, seen, kind, w_save, w_load, gaps, full_every, asynchronous):
+    dense_lr = 0.05 if w_save == w_load else 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = pools[w_save].run(save_chain, kind, gaps, full_every, tmp, asynchronous, dense_lr)
+        want, chain_lengths, _ = saved[0]
+        error, got = pools[w_load].run(restore, kind, tmp, dense_lr)[0]
+    assert error is None, error[-1500:]
+    assert differences(want, got, resharded=w_save != w_load) == []
+    seen.append((chain_lengths[-1], w_save != w_load, sum(h[2] for h in want["history"][0].values())))
+
+
+def test_base_and_deltas_restore_the_state_of_the_last_delta(pools):
+    """Random training with creates, updates and evictions, saved as chains of deltas (sync or
+    async, training on while they are written) at 1-3 ranks and restored at 1-3: every row with its header, clocks, counters, the
+    ordinary table, dense weights and optimizer state equal those at the last save."""
+    seen = []
+    _chain_property(pools, seen)
+    assert any(length > 2 for length, *_ in seen) and any(resharded for _, resharded, _ in seen)
+    assert any(evicted for *_, evicted in seen)
+
+
+# -- damaged chains --------------------------------------------------------------------------
+def test_a_damaged_or_missing_link_is_refused_before_anything_changes(pools, tmp_path):
+    """A chain of a full checkpoint and three deltas; a copy of it with one link damaged (a
+    flipped bit in a delta's rows, a deleted data file of the full one, a missing middle
+    delta, a base saved again after its delta) is refused naming the link, on every rank,
+    with the model unchanged; the intact chain restores."""
+    root = tmp_path / "chain"
+    want = pools[2].run(save_chain, "ttl", [2, 2, 2, 2], 4, str(root), False, 0.05)[0][0]
+    steps = sorted(int(p.name.split("-")[1]) for p in root.iterdir())
+    assert steps == [2, 4, 6, 8]
+    cases = {}
+    for name in ("flip", "full file", "missing", "replaced"):
+        copy = tmp_path / name
+        os.makedirs(copy)
+        for s in steps:
+            os.symlink(root / f"step-{s:08d}", copy / f"step-{s:08d}")
+        cases[name] = copy
+    flipped = _damage(str(root / "step-00000006"), str(tmp_path), "whole rows", "flip a bit")
+    os.remove(cases["flip"] / "step-00000006")
+    os.rename(flipped[0], cases["flip"] / "step-00000006")
+    gone = _damage(str(root / "step-00000002"), str(tmp_path), "whole rows", "delete the file")
+    os.remove(cases["full file"] / "step-00000002")
+    os.rename(gone[0], cases["full file"] / "step-00000002")
+    os.remove(cases["missing"] / "step-00000004")
+    os.remove(cases["replaced"] / "step-00000004")
+    pools[2].run(_save_again, str(root / "step-00000004"), str(cases["replaced"] / "step-00000004"))
+    expected = {"flip": "step-00000006", "full file": "step-00000002", "missing": "step-00000004",
+                "replaced": "saved again"}
+    for name, copy in cases.items():
+        for error, unchanged in pools[2].run(restore, "ttl", str(copy), 0.05):
+            assert error is not None and unchanged, name
+            assert expected[name] in error, (name, error[-800:])
+    for error, got in pools[2].run(restore, "ttl", str(root), 0.05):
+        assert error is None and same(want, got) == []
+
+
+def _save_again(rank, world, original, path):
+    """The checkpoint of ``original``'s step saved again (a new id), moved to ``path``."""
+    model, dense = build(dist.group.WORLD, "ttl", 0.05)
+    train_step(model, dense, 0, rank, world)
+    root = os.path.join(os.path.dirname(os.path.dirname(path)), "resaved")
+    manager = CheckpointManager(root, process_group=dist.group.WORLD)
+    manager.save(state_of(model, dense), int(os.path.basename(path).split("-")[1]))
+    dist.barrier()
+    if rank == 0:
+        os.rename(manager.path(manager.latest()), path)
+    dist.barrier()
+
+
+def test_a_delta_alone_is_refused_by_the_load_planner(pools, tmp_path):
+    pools[1].run(save_chain, "none", [1, 1], 2, str(tmp_path), False, 0.05)
+    path = str(tmp_path / "step-00000002")
+    error, unchanged = pools[1].run(_plain_load, path)[0]
+    assert unchanged and "incremental checkpoint (a delta of step 1)" in error and "CheckpointManager.load" in error
+
+
+def _plain_load(rank, world, path):
+    model, dense = build(dist.group.WORLD, "none", 0.05)
+    train_step(model, dense, 0, rank, world)
+    before = snapshot(model, dense, dist.group.WORLD)
+    try:
+        dcp.load(state_of(model, dense), checkpoint_id=path, planner=KVZCHLoadPlanner(checkpoint_id=path))
+    except CheckpointException as e:
+        return str(e), same(before, snapshot(model, dense, dist.group.WORLD)) == []
+    return None, False
+
+
+# -- when a delta cannot be saved ----------------------------------------------------------------
+def _fallbacks(rank, world, root):
+    """Saves whose delta cannot be told: the kind each was saved as."""
+    model, dense = build(dist.group.WORLD, "none", 0.05)
+    manager = CheckpointManager(root, keep=10, process_group=dist.group.WORLD, full_every=10)
+    (_, tbe), = [t for t in kvzch_tables(model) if t[0] == "t"]
+    kinds, step = [], 0
+
+    def save():
+        nonlocal step
+        step += 1
+        train_step(model, dense, step, rank, world)
+        manager.save(state_of(model, dense), step)
+        kinds.append(len(manager.chain(step)) > 1)
+
+    save()  # the first: full
+    save()  # a delta
+    tbe.store.write_ids(torch.tensor([tbe.store.bucket_range.id_start]), torch.ones(1, 8))
+    save()  # a write from outside training: full
+    save()  # a delta again
+    manager.save(state_of(model, dense), step + 1, incremental=False)
+    kinds.append(len(manager.chain(step + 1)) > 1)
+    return kinds
+
+
+def test_a_delta_that_cannot_be_told_is_saved_in_full(pools, tmp_path):
+    """The first save, one after a write from outside training, and one asked in full are
+    full; the others deltas."""
+    kinds = pools[1].run(_fallbacks, str(tmp_path))[0]
+    assert kinds == [False, True, False, True, False]
+    with pytest.raises(ValueError, match="full_every > 1"):
+        CheckpointManager(tmp_path).save({"w": torch.zeros(2)}, 1, incremental=True)
+
+
+def test_keep_never_drops_a_link_a_kept_checkpoint_needs(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=1, full_every=3)
+    kept = []
+    for step in range(1, 7):
+        manager.save({"w": torch.full((4,), float(step))}, step)
+        kept.append(manager.steps())
+    assert kept == [[1], [1, 2], [1, 2, 3], [4], [4, 5], [4, 5, 6]]
+    assert manager.chain(6) == [4, 5, 6]
+    into = {"w": torch.zeros(4)}
+    assert CheckpointManager(tmp_path, full_every=3).load(into) == 6 and torch.equal(into["w"], torch.full((4,), 6.0))

@@ -17,9 +17,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from test_resume import _damage, _history_totals, build, same, snapshot, state_of, train_step
 from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec_kvzch.table.layout import meta_count
 from torchrec_kvzch.torchrec import kvzch_tables
 
-KINDS = ("none", "ttl", "lru", "rank")  # creates, updates and evictions of every trigger
+KINDS = ("none", "ttl", "lfu", "lru", "rank")  # creates, updates, evictions, lfu's count decay
 
 
 def save_chain(rank, world, kind, gaps, full_every, root, asynchronous, dense_lr):
@@ -90,6 +92,7 @@ def _whole(shards: dict) -> torch.Tensor:
        asynchronous=st.booleans())
 @example(kind="ttl", w_save=2, w_load=3, gaps=[2, 1, 3, 2], full_every=4, asynchronous=True)
 @example(kind="lru", w_save=3, w_load=1, gaps=[3, 2, 2], full_every=3, asynchronous=False)
+@example(kind="lfu", w_save=2, w_load=3, gaps=[2, 3, 2, 3], full_every=4, asynchronous=False)
 def _chain_property(pools, seen, kind, w_save, w_load, gaps, full_every, asynchronous):
     dense_lr = 0.05 if w_save == w_load else 0.0
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,6 +112,40 @@ def test_base_and_deltas_restore_the_state_of_the_last_delta(pools):
     _chain_property(pools, seen)
     assert any(length > 2 for length, *_ in seen) and any(resharded for _, resharded, _ in seen)
     assert any(evicted for *_, evicted in seen)
+
+
+def _untouched_rows_decay(rank, world, root):
+    """lfu: rows counted up, saved in full, then left alone while training decays every count
+    twice and the delta is saved; (their counts at the delta, after a restore, as saved)."""
+    pg = dist.group.WORLD
+    model, dense = build(pg, "lfu", 0.05)
+    (_, tbe), = [t for t in kvzch_tables(model) if t[0] == "t"]
+    manager = CheckpointManager(root, process_group=pg, full_every=4)
+    popular, other = torch.arange(1, 7) * 1000, torch.arange(1, 7) * 1000 + 7
+
+    def step(ids):
+        kjt = KeyedJaggedTensor(keys=["f_t", "f_u", "f_plain"], values=torch.cat([ids, ids, ids % 40]),
+                                lengths=torch.ones(3 * ids.numel(), dtype=torch.long))
+        model(kjt).sum().backward()
+        dense.step()
+        dense.zero_grad()
+
+    for _ in range(3):
+        step(popular.repeat(8))
+    manager.save(state_of(model, dense), 1)
+    for _ in range(4):  # the clock passes two multiples of interval_steps: two decays
+        step(other)
+    manager.save(state_of(model, dense), 2)
+    want = copy.deepcopy(snapshot(model, dense, pg))
+    counts = meta_count(tbe.store.read_ids(popular, "meta").reshape(-1)).tolist()
+    error, got = restore(rank, world, "lfu", root, 0.05)
+    return counts, manager.chain(2), error, differences(want, got, resharded=False)
+
+
+def test_a_delta_replays_lfu_decay_on_the_rows_it_does_not_carry(pools, tmp_path):
+    counts, chain, error, diff = pools[1].run(_untouched_rows_decay, str(tmp_path))[0]
+    assert chain == [1, 2] and error is None and diff == []
+    assert all(2 <= c < 24 for c in counts)  # decayed from 24, still above count_threshold
 
 
 # -- damaged chains --------------------------------------------------------------------------

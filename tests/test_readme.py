@@ -45,8 +45,9 @@ assert momentum.read_only and not torch.equal(weights.full_tensor(), at_freeze)
 assert pooled.shape == (2, 128) and tbe.store.counters['rows'] == 3
 """,
     "docs/checkpoints.md": """
-assert same and resumed_same
+assert same and resumed_same and chain_same
 assert manager.steps() == [2, 3]
+assert incremental.steps() == [5, 6] and incremental.chain(6) == [5, 6]
 """,
     "docs/admission.md": """
 assert tbe.store.counters['rows'] == 2 and tbe.store.counters['admitted'] == 2

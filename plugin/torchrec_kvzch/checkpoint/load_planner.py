@@ -29,8 +29,9 @@ over several files are held until their partners arrive.
 Checkpoints saved by upstream TorchRec load too (``upstream.py``).
 
 An incremental checkpoint (a delta, ``torchrec/delta.py``) is one link of a chain and loads
-only with ``delta=True``, onto the state at its base: its rows are written by id over the
-store's (nothing is cleared), its deleted ids are removed, clock and counters are replaced.
+only with ``delta=True``, onto the state at its base: the count decays it lists are replayed on
+the rows there, its rows are written by id over them (nothing is cleared), its deleted ids are
+removed, clock and counters are replaced.
 ``CheckpointManager.load`` walks a chain with ``check_only`` (plan and verify every link before
 any changes) and ``tables_only`` (the links before the last: KV-ZCH rows only).
 """
@@ -93,6 +94,7 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
                        if self._checkpoint_dir is not None and getattr(metadata, "storage_data", None) else None)
         saved, self._checksum_files = saved_record(metadata.planner_data)
         base = chain_link(metadata.planner_data)[1]
+        self._decays = (base or {}).get("decays") or {}  # a delta's, {table: per saving rank}
         if (base is not None) != self._delta:
             raise ValueError(
                 f"{self._checkpoint} is an incremental checkpoint (a delta of step {base['step']}): load it "
@@ -312,6 +314,8 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
             for block in table.admission_live.values():
                 block.zero_()
             table.store.reserve(len(table.store) + table.end - table.begin)
+            if table.name in self._decays:
+                table.replay_decays(self._decays[table.name])
             if table.upstream:  # no history saved: counters zero, clock from the loaded headers
                 p = table.store.params
                 table.store.restore_history(0, torch.zeros(p.total_num_buckets, 2, dtype=torch.long),

@@ -139,8 +139,8 @@ class CheckpointManager:
         returned future completes (``wait()`` before the next save). ``incremental``: save a
         delta of the last checkpoint saved or loaded here (True) or in full (False); default,
         as ``full_every`` says. A delta that cannot be saved (no such checkpoint, or a table
-        changed in ways deltas cannot tell: a load or write from outside training, lfu decay)
-        is saved in full, with a warning. Collective."""
+        changed in ways deltas cannot tell: a load or write from outside training) is saved
+        in full, with a warning. Collective."""
         self.wait()
         if incremental and self.full_every == 1:
             raise ValueError("CheckpointManager(full_every=1) saves every checkpoint in full; "
@@ -157,14 +157,14 @@ class CheckpointManager:
         to_save, link, depth = state, None, 0
         if incremental:
             usable = (base is not None and base.step != step and (self.path(base.step) / ".metadata").is_file())
-            delta, why = delta_state(state, base.marks if usable else None, self.process_group)
+            delta, decays, why = delta_state(state, base.marks if usable else None, self.process_group)
             if delta is None and not usable:  # (the first save of a run, or a base gone)
                 logger.info("step %d is saved in full: no checkpoint saved or loaded here to build on", step)
             elif delta is None:
                 logger.warning("step %d is saved in full, not as a delta: %s", step, why)
             else:
                 to_save, depth = delta, base.depth + 1
-                link = {"step": base.step, "uid": self._link(base.step)[0]}
+                link = {"step": base.step, "uid": self._link(base.step)[0], "decays": decays}
         marks = {store: snap.mark for store, snap in snapshots.items()}
         new_base = _Base(step, depth, marks) if self.full_every > 1 else None
         partial = self.path(step).with_suffix(".partial")

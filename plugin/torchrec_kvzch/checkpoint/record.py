@@ -88,8 +88,9 @@ def saved_record(planner_data) -> tuple[dict[str, SavedTable] | None, list[str]]
 
 
 def chain_link(planner_data) -> tuple[str | None, dict | None]:
-    """(this checkpoint's unique id, its base ``{"step": int, "uid": str}`` if it is a delta) of
-    a checkpoint's metadata; (None, None) for checkpoints saved before either was recorded."""
+    """(this checkpoint's unique id, its base if it is a delta: ``{"step": int, "uid": str,
+    "decays": {table: [count decays since the base, per saving rank]}}``) of a checkpoint's
+    metadata; (None, None) for checkpoints saved before either was recorded."""
     record = planner_data.get(PLANNER_DATA_KEY) if isinstance(planner_data, dict) else None
     if not isinstance(record, dict):
         return None, None

@@ -34,7 +34,8 @@ from torchrec_kvzch.torchrec.state_dict import kv_view
 class KVZCHSavePlanner(DefaultSavePlanner):
     def __init__(self, *args, base: dict | None = None, **kwargs) -> None:
         """``base``: for a delta (a state dict from ``delta_state``), the checkpoint it is a
-        delta of, ``{"step": int, "uid": str}`` (``CheckpointManager`` passes it)."""
+        delta of and the count decays since (``record.chain_link``; ``CheckpointManager``
+        passes it)."""
         super().__init__(*args, **kwargs)
         self._base = base
 

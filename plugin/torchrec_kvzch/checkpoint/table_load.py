@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from torchrec_kvzch.params import KVZCHTableParams
 from torchrec_kvzch.table.kv_tensor import KVTensor
-from torchrec_kvzch.table.layout import RowLayout, RowPart
+from torchrec_kvzch.table.layout import RowLayout, RowPart, decayed
 from torchrec_kvzch.torchrec.admission_state import merge
 from torchrec_kvzch.torchrec.state_dict import newest_timestamp
 
@@ -55,6 +55,21 @@ class TableLoad:
         if all(self.arrived[f] == len(t) for f, t in self.admission_saved.items()):
             merge(self.admission_live, {f[len(self.base):]: t for f, t in self.admission_saved.items()},
                   self.name)
+
+    def replay_decays(self, decays: list[list[float]]) -> None:
+        """A delta's count decays, per saving rank: the rows of each rank's ids decay as they
+        did there (before the delta's rows, which carry their counts, arrive)."""
+        store, mine = self.store, self.store.bucket_range
+        keys = store.keys()
+        for rank, factors in enumerate(decays):
+            theirs = self.saved.bucket_range(rank, len(decays))
+            if not factors or not keys.numel() or not overlaps(theirs, mine):
+                continue
+            slots = torch.nonzero((keys >= theirs.id_start) & (keys < theirs.id_end)).view(-1)
+            meta = store.read(slots, RowPart.META).reshape(-1)
+            for factor in factors:
+                meta = decayed(meta, factor)
+            store.write(slots, meta.unsqueeze(1), RowPart.META)
 
     def receive_deleted(self, ids: torch.Tensor) -> None:
         """A delta's deleted ids arrived: the rows of those in this shard go. (They are never

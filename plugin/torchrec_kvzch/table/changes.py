@@ -12,9 +12,12 @@ a mark holds the log's length, so the ids deleted between two marks are a slice 
 is opt-in (``CheckpointManager`` with deltas turns it on) and trimmed at each checkpoint, so it
 holds the ids deleted since the last one, 8 bytes each.
 
+Decays. ``lfu`` eviction's decay rewrites every row's count at once; the factors are listed, so
+that a delta's restore can decay the rows it does not carry just as training did.
+
 Everything else that changes rows without stamping them - writes and loads from outside
-training, ``lfu`` decay rewriting every header, deletes while not logging - counts as
-``untracked``: a delta needs this count unchanged since its base, else the save is a full one.
+training, deletes while not logging - counts as ``untracked``: a delta needs this count
+unchanged since its base, else the save is a full one.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class ChangeMark:
     since: int  # rows stamped at or after this clock may have changed after the mark
     deleted: int  # the deletion log's length at the mark
     untracked: int  # untracked changes before the mark
+    decays: int = 0  # count decays before the mark
 
 
 class ChangeLog:
@@ -40,9 +44,12 @@ class ChangeLog:
         self._chunks: list[torch.Tensor] = []  # deleted ids, in order
         self._start = 0  # log position of the first id of _chunks[0]
         self._length = 0  # ids ever logged
+        self._decays: list[float] = []  # the factors of the count decays, in order
+        self._decays_start = 0  # how many decays came before _decays[0]
 
     def mark(self, clock: int, update_pending: bool) -> ChangeMark:
-        return ChangeMark(clock if update_pending else clock + 1, self._length, self.untracked)
+        return ChangeMark(clock if update_pending else clock + 1, self._length, self.untracked,
+                          self._decays_start + len(self._decays))
 
     def start(self) -> None:
         """Log deletes from now on (idempotent)."""
@@ -50,6 +57,12 @@ class ChangeLog:
 
     def changed_untracked(self) -> None:
         self.untracked += 1
+
+    def decayed(self, factor: float) -> None:
+        self._decays.append(float(factor))
+
+    def decays_between(self, a: ChangeMark, b: ChangeMark) -> list[float]:
+        return self._decays[a.decays - self._decays_start : b.decays - self._decays_start]
 
     def deleted(self, ids: torch.Tensor) -> None:
         if not self.logging:
@@ -61,7 +74,8 @@ class ChangeLog:
     def covers(self, a: ChangeMark, b: ChangeMark) -> bool:
         """Whether every change between marks ``a`` and ``b`` can be told: none untracked, and
         the log still holds the deletes in between (a delete while not logging is untracked)."""
-        return a.untracked == b.untracked and self._start <= a.deleted <= b.deleted
+        return (a.untracked == b.untracked and self._start <= a.deleted <= b.deleted
+                and self._decays_start <= a.decays <= b.decays)
 
     def deleted_between(self, a: ChangeMark, b: ChangeMark) -> torch.Tensor:
         """Ids deleted after ``a`` and before ``b`` (``covers(a, b)``), unique, ascending."""
@@ -77,6 +91,8 @@ class ChangeLog:
         return torch.unique(torch.cat(out)) if out else torch.empty(0, dtype=torch.long)
 
     def forget_before(self, mark: ChangeMark) -> None:
-        """Drop the ids deleted before ``mark`` (no delta will go back further)."""
+        """Drop the ids deleted and the decays before ``mark`` (no delta will go back further)."""
+        drop = max(0, min(mark.decays - self._decays_start, len(self._decays)))
+        self._decays, self._decays_start = self._decays[drop:], self._decays_start + drop
         while self._chunks and self._start + self._chunks[0].numel() <= mark.deleted:
             self._start += self._chunks.pop(0).numel()

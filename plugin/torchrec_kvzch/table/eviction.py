@@ -43,11 +43,11 @@ import torch
 from torchrec_kvzch.params import EvictionKind, EvictionPolicy, EvictionTrigger, RankBudget
 from torchrec_kvzch.table.id_map import as_ids
 from torchrec_kvzch.table.layout import (
+    decayed,
     meta_count,
     meta_count_then_timestamp,
     meta_timestamp,
     meta_timestamp_view,
-    with_count,
 )
 
 # Peak scratch of one eviction, per live row: two masks, the order keys and their candidate copy
@@ -219,9 +219,8 @@ class Evictor:
         if self.kind is EvictionKind.TTL:
             return self._past_ttl(meta)
         if policy.count_decay < 1.0:
-            count = (meta_count(meta).double() * policy.count_decay).floor().long()
-            store.before_header_rewrite()
-            meta.copy_(with_count(meta, count))
+            store.before_header_rewrite(decay=policy.count_decay)
+            meta.copy_(decayed(meta, policy.count_decay))
         rare = meta_count(meta) < policy.count_threshold
         if policy.ttl_steps is None and policy.ttl_minutes is None:
             return rare

@@ -44,7 +44,7 @@ class KVTensor:
         share one). An ``RowPart.ID`` view (the ids themselves) is always read-only."""
         self.store = store
         self.part = RowPart(part)
-        self.snapshot = snapshot or RowSnapshot(store, ids)
+        self.snapshot = snapshot if snapshot is not None else RowSnapshot(store, ids)  # (an empty one is falsy)
         self.start = start
         self.length = len(self.snapshot) - start if length is None else length
         self.read_only = read_only or self.part is RowPart.ID

@@ -72,6 +72,12 @@ def with_count(meta: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return (meta & ~(_COUNT_MASK << 32)) | ((count & _COUNT_MASK) << 32)
 
 
+def decayed(meta: torch.Tensor, factor: float) -> torch.Tensor:
+    """Header words with their access counts decayed, ``count := floor(count * factor)``: lfu
+    eviction's decay, and its replay when an incremental checkpoint is applied."""
+    return with_count(meta, (meta_count(meta).double() * factor).floor().long())
+
+
 def meta_used(meta: torch.Tensor) -> torch.Tensor:
     return meta < 0  # the used bit is the int64 sign bit
 

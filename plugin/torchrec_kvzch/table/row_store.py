@@ -346,9 +346,9 @@ class RowStore:
             self._alloc(_MIN_ROWS)
 
     # -- internals ----------------------------------------------------------------------------
-    def before_header_rewrite(self) -> None:
-        """Call before rewriting the header word of every row (lfu decay)."""
-        self.changes.changed_untracked()
+    def before_header_rewrite(self, decay: float | None = None) -> None:
+        """Call before rewriting every header: by lfu's ``decay`` (deltas replay it) or not."""
+        self.changes.decayed(decay) if decay is not None else self.changes.changed_untracked()
         for frozen in self._frozen:
             frozen.preserve_headers()
 

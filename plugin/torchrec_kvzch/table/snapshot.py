@@ -5,8 +5,8 @@ the snapshot was taken. A plain snapshot reads the live rows (by slot while no r
 by id after), so a row trained after the snapshot reads as trained and a deleted one as absent.
 
 ``changed_since(mark)`` is the snapshot of the rows changed since an earlier snapshot's
-``mark`` (an incremental checkpoint's rows), ``deleted_since(mark)`` the ids deleted since
-(``changes.py``).
+``mark`` (an incremental checkpoint's rows), ``deleted_since(mark)`` the ids deleted since and
+``decays_since(mark)`` the count decays (``changes.py``).
 
 ``freeze()`` pins the rows to the moment of the call, for checkpoints written in the background
 while training goes on (``dcp.async_save``). From then on the store copies a snapshot row aside
@@ -66,7 +66,7 @@ class RowSnapshot:
         self._check_current("told what changed")
         if not self.store.changes.covers(base, self.mark):
             raise ValueError(f"table '{self.store.params.name}': rows changed since the base "
-                             "without a trace (a load or write from outside training, lfu decay, "
+                             "without a trace (a load or write from outside training, "
                              "or a delete before deletes were logged)")
         n = len(self.store)
         changed = meta_timestamp_view(self.store.meta[:n]) >= base.since
@@ -75,6 +75,10 @@ class RowSnapshot:
         sub.store, sub.ids, sub.slots = self.store, self.ids[keep], self.slots[keep]
         sub.epoch, sub.mark, sub._frozen, sub._unpin = self.epoch, self.mark, None, None
         return sub
+
+    def decays_since(self, base: ChangeMark) -> list[float]:
+        """The count decays between ``base`` and this snapshot, in order."""
+        return self.store.changes.decays_between(base, self.mark)
 
     def deleted_since(self, base: ChangeMark) -> torch.Tensor:
         """Ids deleted between ``base`` and this snapshot and not live in it, ascending."""

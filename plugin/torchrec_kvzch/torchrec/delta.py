@@ -7,6 +7,8 @@ table's base mark (``table/changes.py``), and with a ``deleted_id`` entry beside
 ids deleted since, ``[n, 1]`` int64, ascending within each rank, in rank order like the rows.
 Everything else (rows per bucket, counters, clock, admission state, ordinary tables, dense
 parameters) stays whole: it is small, and a restore takes it from the chain's last link.
+Beside the state it returns each table's count decays since the base, per rank (lfu decay
+rewrites every row's count; a restore replays it on the rows the delta does not carry).
 
 The entries stay lazy chunks of the same snapshot as the full state dict's, so a delta saves
 (and freezes for an async save) like a full checkpoint. Like ``state_dict()`` it is a collective:
@@ -40,11 +42,13 @@ def table_snapshots(state) -> dict[RowStore, RowSnapshot]:
 
 
 def delta_state(state: dict, base: dict[RowStore, ChangeMark] | None,
-                pg: dist.ProcessGroup | None) -> tuple[dict | None, str | None]:
-    """(``state`` cut down to the changes since ``base``, None), or (None, why not) when some
-    rank's table cannot tell its changes: then every rank saves in full. Collective."""
+                pg: dist.ProcessGroup | None) -> tuple[dict | None, dict, str | None]:
+    """(``state`` cut down to the changes since ``base``, {table: [count decays since, per
+    rank]} where any, None), or (None, {}, why not) when some rank's table cannot tell its
+    changes: then every rank saves in full. Collective."""
     snapshots = table_snapshots(state)
     changed: dict[RowSnapshot, tuple[RowSnapshot, torch.Tensor]] = {}
+    decays: dict[str, list[float]] = {}
     reason = None
     for store, snap in snapshots.items():
         name = store.params.name
@@ -53,21 +57,24 @@ def delta_state(state: dict, base: dict[RowStore, ChangeMark] | None,
             break
         try:
             changed[snap] = (snap.changed_since(base[store]), snap.deleted_since(base[store]))
+            decays[name] = snap.decays_since(base[store])
         except ValueError as e:
             reason = str(e)
             break
-    local = {"reason": reason, **{s.store.params.name: (len(c), d.numel()) for s, (c, d) in changed.items()}}
+    local = {"reason": reason, "decays": decays,
+             **{s.store.params.name: (len(c), d.numel()) for s, (c, d) in changed.items()}}
     gathered = [local]
     if dist.is_initialized() and dist.get_world_size(pg) > 1:
         gathered = [None] * dist.get_world_size(pg)
         dist.all_gather_object(gathered, local, group=pg)
     reasons = [f"rank {r}: {g['reason']}" for r, g in enumerate(gathered) if g["reason"]]
     if reasons:
-        return None, reasons[0]
+        return None, {}, reasons[0]
     counts = {s.store.params.name: ([g.get(s.store.params.name, (0, 0))[0] for g in gathered],
                                     [g.get(s.store.params.name, (0, 0))[1] for g in gathered])
               for s in changed}
-    return _rebuilt(state, changed, counts, pg), None
+    per_rank = {name: [g["decays"].get(name, []) for g in gathered] for name in decays}
+    return _rebuilt(state, changed, counts, pg), {n: d for n, d in per_rank.items() if any(d)}, None
 
 
 def _rebuilt(obj, changed, counts, pg):

@@ -237,14 +237,20 @@ def _fallbacks(rank, world, root):
     save()  # a delta again
     manager.save(state_of(model, dense), step + 1, incremental=False)
     kinds.append(len(manager.chain(step + 1)) > 1)
+    step += 1
+    save()  # a delta
+    manager.load(state_of(model, dense), load_optimizer=False)
+    save()  # loaded with fresh optimizer state, not the checkpoint's: full
+    manager.load(state_of(model, dense))
+    save()  # loaded: a delta of it
     return kinds
 
 
 def test_a_delta_that_cannot_be_told_is_saved_in_full(pools, tmp_path):
-    """The first save, one after a write from outside training, and one asked in full are
-    full; the others deltas."""
+    """The first save, one after a write from outside training, one asked in full and one
+    after a load without the optimizer state are full; the others deltas."""
     kinds = pools[1].run(_fallbacks, str(tmp_path))[0]
-    assert kinds == [False, True, False, True, False]
+    assert kinds == [False, True, False, True, False, True, False, True]
     with pytest.raises(ValueError, match="full_every > 1"):
         CheckpointManager(tmp_path).save({"w": torch.zeros(2)}, 1, incremental=True)
 

@@ -243,11 +243,13 @@ class CheckpointManager:
             verify = False
         for s, delta, tables_only in links:
             self._load_link(state, s, verify, load_optimizer, delta, tables_only)
-        if self.full_every > 1:
+        if self.full_every > 1:  # the state is the checkpoint's: the next delta builds on it
             stores = table_snapshots(state)
             for store in stores:
                 store.changes.start()
-            self._base = _Base(step, len(chain) - 1, {store: store.mark() for store in stores})
+            marks = {store: store.mark() for store in stores}
+            # (Fresh optimizer state is not the checkpoint's: the next save is a full one.)
+            self._base = _Base(step, len(chain) - 1, marks) if load_optimizer else None
         return step
 
     def _load_link(self, state: dict, step: int, verify: bool, load_optimizer: bool, delta: bool,

@@ -94,7 +94,7 @@ def plot(out: dict, path: Path) -> None:
     x = range(len(names))
     left.bar([i - 0.2 for i in x], [out[f"delta_size_ratio_{n}"] for n in names], 0.4, label="bytes")
     left.bar([i + 0.2 for i in x], [out[f"delta_save_ratio_{n}"] for n in names], 0.4, label="save time")
-    left.set(xticks=list(x), xticklabels=[n.replace("pct", "% of rows trained") for n in names],
+    left.set(xticks=list(x), xticklabels=[n.replace("pct", "%") for n in names], xlabel="rows trained since the base",
              ylabel="delta / full checkpoint", title="a delta against a full checkpoint")
     left.legend()
     right.bar(["full checkpoint", "full + 10 deltas"], [out["restore_full_s"], out["restore_chain10_s"]])

@@ -7,7 +7,6 @@ import copy
 import os
 import tempfile
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -251,8 +250,22 @@ def test_a_delta_that_cannot_be_told_is_saved_in_full(pools, tmp_path):
     after a load without the optimizer state are full; the others deltas."""
     kinds = pools[1].run(_fallbacks, str(tmp_path))[0]
     assert kinds == [False, True, False, True, False, True, False, True]
-    with pytest.raises(ValueError, match="full_every > 1"):
-        CheckpointManager(tmp_path).save({"w": torch.zeros(2)}, 1, incremental=True)
+    kinds = pools[1].run(_asked_for, str(tmp_path / "asked"))[0]
+    assert kinds == [False, False, True, True, True]
+
+
+def _asked_for(rank, world, root):
+    """A manager saving in full by default (full_every=1), asked for deltas: the first after
+    rows were deleted before deletes were logged is full, the rest deltas as asked."""
+    model, dense = build(dist.group.WORLD, "ttl", 0.05)
+    manager = CheckpointManager(root, process_group=dist.group.WORLD)
+    kinds = []
+    for step, incremental in enumerate((False, True, True, True, True), start=1):
+        for s in range(3 * step, 3 * step + 3):  # ttl evicts every step
+            train_step(model, dense, s, rank, world)
+        manager.save(state_of(model, dense), step, incremental=incremental)
+        kinds.append(len(manager.chain(step)) > 1)
+    return kinds
 
 
 def test_keep_never_drops_a_link_a_kept_checkpoint_needs(tmp_path):

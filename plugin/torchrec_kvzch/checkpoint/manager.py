@@ -6,8 +6,8 @@ data and the coordinator's ``.metadata`` are on disk), rank 0 renames the folder
 leaves at most a ``.partial`` folder, which ``latest()`` never returns and the next save of that
 step replaces. Older complete checkpoints beyond ``keep`` are removed after each commit.
 
-Incremental checkpoints (``full_every`` > 1): between full checkpoints, a save holds only the
-rows changed since the checkpoint before it and the ids deleted since (``torchrec/delta.py``),
+Incremental checkpoints (``full_every`` > 1, or ``save(incremental=True)``): a delta holds only
+the rows changed since the checkpoint before it and the ids deleted since (``torchrec/delta.py``),
 so checkpoints form chains, each delta naming its base's step and unique id. ``load`` checks
 every link of a chain (complete, the base it names, every checksum) before it changes anything,
 then loads the full one and applies the deltas in order. ``keep`` counts restorable checkpoints:
@@ -71,6 +71,7 @@ class CheckpointManager:
         self._pending: tuple[Future, int, _Base | None] | None = None
         self._commit_lock = threading.Lock()
         self._base: _Base | None = None  # the last checkpoint saved or loaded here
+        self._tracking = full_every > 1  # deletes logged for deltas (on once one is asked for)
         self._links: dict[int, tuple] = {}  # step -> (.metadata's stat, (uid, base)), read once
 
     # -- finding checkpoints ------------------------------------------------------------------
@@ -139,15 +140,14 @@ class CheckpointManager:
         returned future completes (``wait()`` before the next save). ``incremental``: save a
         delta of the last checkpoint saved or loaded here (True) or in full (False); default,
         as ``full_every`` says. A delta that cannot be saved (no such checkpoint, or a table
-        changed in ways deltas cannot tell: a load or write from outside training) is saved
-        in full, with a warning. Collective."""
+        changed in ways deltas cannot tell: a load or write from outside training, a delete
+        before deletes were logged - from the first save with deltas on) is saved in full,
+        with a warning. Collective."""
         self.wait()
-        if incremental and self.full_every == 1:
-            raise ValueError("CheckpointManager(full_every=1) saves every checkpoint in full; "
-                             "construct it with full_every > 1 to save deltas")
         snapshots = table_snapshots(state)
         base = self._base
-        if self.full_every > 1:  # deletes are logged from now on, those before the base dropped
+        self._tracking |= bool(incremental) or self.full_every > 1
+        if self._tracking:  # deletes are logged from now on, those before the base dropped
             for store in snapshots:
                 store.changes.start()
                 if base is not None and store in base.marks:
@@ -166,7 +166,7 @@ class CheckpointManager:
                 to_save, depth = delta, base.depth + 1
                 link = {"step": base.step, "uid": self._link(base.step)[0], "decays": decays}
         marks = {store: snap.mark for store, snap in snapshots.items()}
-        new_base = _Base(step, depth, marks) if self.full_every > 1 else None
+        new_base = _Base(step, depth, marks)
         partial = self.path(step).with_suffix(".partial")
         if _rank() == 0 and partial.exists():
             shutil.rmtree(partial)  # an earlier attempt at this step that died
@@ -243,13 +243,12 @@ class CheckpointManager:
             verify = False
         for s, delta, tables_only in links:
             self._load_link(state, s, verify, load_optimizer, delta, tables_only)
-        if self.full_every > 1:  # the state is the checkpoint's: the next delta builds on it
-            stores = table_snapshots(state)
-            for store in stores:
-                store.changes.start()
-            marks = {store: store.mark() for store in stores}
-            # (Fresh optimizer state is not the checkpoint's: the next save is a full one.)
-            self._base = _Base(step, len(chain) - 1, marks) if load_optimizer else None
+        stores = table_snapshots(state)  # the state is the checkpoint's: a base for deltas
+        for store in stores if self._tracking else ():
+            store.changes.start()
+        marks = {store: store.mark() for store in stores}
+        # (Fresh optimizer state is not the checkpoint's: the next save is a full one.)
+        self._base = _Base(step, len(chain) - 1, marks) if load_optimizer else None
         return step
 
     def _load_link(self, state: dict, step: int, verify: bool, load_optimizer: bool, delta: bool,

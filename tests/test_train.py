@@ -91,16 +91,22 @@ def test_admission_through_the_job_saves_its_state_and_resumes_exactly(tmp_path)
 
 
 def test_incremental_checkpoints_through_the_job_resume_exactly_at_another_world_size(tmp_path):
-    """``--incremental-every``: deltas between full checkpoints, smaller than them; the run
-    resumes from the last delta on 1 rank predicting exactly what the saved model did."""
-    _, first = train(tmp_path / "run", "--steps", 9, "--checkpoint-every", 4, "--incremental-every", 2,
-                     "--keep", 1, "--async-checkpoint")
+    """``--incremental-every`` (with admission, async saves): deltas between full checkpoints,
+    smaller than them. The run resumes from the last delta on 1 rank predicting exactly what
+    the saved model did and saves deltas of it; a chain saved partly at 2 ranks and partly at
+    1 then resumes at 2 as exactly."""
+    flags = ["--checkpoint-every", 4, "--incremental-every", 2, "--keep", 1, "--admission", "count:2"]
+    _, first = train(tmp_path / "run", "--steps", 9, *flags, "--async-checkpoint")
     assert steps_on_disk(tmp_path / "run") == ["step-00000008", "step-00000009"]
     assert first["checkpoint_chain"] == [8, 9]
     full, delta = first["checkpoint_chain_bytes"]
     assert delta < full
-    _, second = train(tmp_path / "run", "--steps", 10, nproc=1, summary="resumed.json")
+    _, second = train(tmp_path / "run", "--steps", 11, *flags, nproc=1, summary="resumed.json")
     assert second["resumed_from"] == 9 and second["probe_after_resume"] == first["probe_final"]
+    assert second["checkpoint_chain"] == [8, 9, 10, 11]  # deltas of a 2-rank chain, saved at 1
+    _, third = train(tmp_path / "run", "--steps", 12, *flags, summary="third.json")
+    assert third["resumed_from"] == 11 and third["probe_after_resume"] == second["probe_final"]
+    assert third["checkpoint_chain"] == [12]
     with pytest.raises(SystemExit, match="not a multiple of --incremental-every 3"):
         check_args(parse_args(["--config", QUICKSTART, "--incremental-every", "3"]), 2)
 

@@ -45,7 +45,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from torchrec_kvzch.checkpoint.files import SavedFiles
@@ -87,7 +87,7 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False):
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        self._tables, self._direct = {}, []
+        self._tables, self._direct, self._ignored = {}, [], set()
         if self._files is not None:
             self._files.close()
         self._files = (SavedFiles(self._checkpoint_dir, metadata)
@@ -119,9 +119,21 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
                                  "include the optimizer's state_dict(), or pass load_optimizer=False "
                                  "to start it fresh")
             self._check_aligned(table)
-        # tables_only: nothing but the tables' rows, clock and counters. (The rest stays in the
-        # state dict, left out of the plan: DCP takes keys missing there for an old format.)
-        self._ignored = {f for f in self.state_dict if f not in self._tables} if self._tables_only else set()
+        if self._tables_only:
+            self._ignore_all_but_tables()
+
+    def _ignore_all_but_tables(self) -> None:
+        """Nothing but the tables' rows, clock and counters: other saved tensors become sinks
+        that read nothing, other saved objects are left out of the plan (DCP takes keys missing
+        from the state dict for an old format), entries the checkpoint lacks go."""
+        saved = self.metadata.state_dict_metadata
+        for fqn in [f for f in self.state_dict if f not in self._tables]:
+            if fqn not in saved:
+                del self.state_dict[fqn]
+            elif isinstance(saved[fqn], TensorStorageMetadata):
+                self.state_dict[fqn] = RowSink(saved[fqn].size, 0, 0)
+            else:
+                self._ignored.add(fqn)
 
     def _plan_deleted(self, table: TableLoad) -> None:
         """A delta's ids deleted since its base: this rank reads the slice its rows come from."""

@@ -14,6 +14,7 @@ from hypothesis import example, given, settings, strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
 from test_resume import _damage, _history_totals, build, same, snapshot, state_of, train_step
+from torchrec_kvzch import AdmissionPolicy
 from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -23,11 +24,11 @@ from torchrec_kvzch.torchrec import kvzch_tables
 KINDS = ("none", "ttl", "lfu", "lru", "rank")  # creates, updates, evictions, lfu's count decay
 
 
-def save_chain(rank, world, kind, gaps, full_every, root, asynchronous, dense_lr):
+def save_chain(rank, world, kind, gaps, full_every, root, asynchronous, dense_lr, admission=None):
     """Train, saving after each of ``gaps`` steps (deltas between full checkpoints, every
     ``full_every``-th in full); the state at the last save, and each save's kind."""
     pg = dist.group.WORLD
-    model, dense = build(pg, kind, dense_lr)
+    model, dense = build(pg, kind, dense_lr, admission=admission)
     group = dist.new_group(backend="gloo") if asynchronous else pg
     manager = CheckpointManager(root, keep=1, process_group=group, full_every=full_every)
     step, last = 0, None
@@ -43,11 +44,11 @@ def save_chain(rank, world, kind, gaps, full_every, root, asynchronous, dense_lr
     return last, [len(manager.chain(s)) for s in manager.steps()], step
 
 
-def restore(rank, world, kind, root, dense_lr, step=None):
+def restore(rank, world, kind, root, dense_lr, step=None, admission=None):
     """A model with rows of its own loads the chain; its state, or the error and whether the
     model stayed as it was."""
     pg = dist.group.WORLD
-    model, dense = build(pg, kind, dense_lr)
+    model, dense = build(pg, kind, dense_lr, admission=admission)
     train_step(model, dense, 99, rank, world)  # rows, clock and history the load must replace
     before = snapshot(model, dense, pg)
     state = state_of(model, dense)
@@ -88,24 +89,26 @@ def _whole(shards: dict) -> torch.Tensor:
 @settings(max_examples=max(6, settings().max_examples // 6), deadline=None)
 @given(kind=st.sampled_from(KINDS), w_save=st.integers(1, 3), w_load=st.integers(1, 3),
        gaps=st.lists(st.integers(1, 3), min_size=2, max_size=5), full_every=st.integers(2, 4),
-       asynchronous=st.booleans())
-@example(kind="ttl", w_save=2, w_load=3, gaps=[2, 1, 3, 2], full_every=4, asynchronous=True)
-@example(kind="lru", w_save=3, w_load=1, gaps=[3, 2, 2], full_every=3, asynchronous=False)
-@example(kind="lfu", w_save=2, w_load=3, gaps=[2, 3, 2, 3], full_every=4, asynchronous=False)
-def _chain_property(pools, seen, kind, w_save, w_load, gaps, full_every, asynchronous):
+       asynchronous=st.booleans(), admitted=st.booleans())
+@example(kind="ttl", w_save=2, w_load=3, gaps=[2, 1, 3, 2], full_every=4, asynchronous=True, admitted=False)
+@example(kind="lru", w_save=3, w_load=1, gaps=[3, 2, 2], full_every=3, asynchronous=False, admitted=True)
+@example(kind="lfu", w_save=2, w_load=3, gaps=[2, 3, 2, 3], full_every=4, asynchronous=False, admitted=False)
+def _chain_property(pools, seen, kind, w_save, w_load, gaps, full_every, asynchronous, admitted):
+    admission = AdmissionPolicy("count", min_count=2) if admitted else None
     dense_lr = 0.05 if w_save == w_load else 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        saved = pools[w_save].run(save_chain, kind, gaps, full_every, tmp, asynchronous, dense_lr)
+        saved = pools[w_save].run(save_chain, kind, gaps, full_every, tmp, asynchronous, dense_lr, admission)
         want, chain_lengths, _ = saved[0]
-        error, got = pools[w_load].run(restore, kind, tmp, dense_lr)[0]
+        error, got = pools[w_load].run(restore, kind, tmp, dense_lr, None, admission)[0]
     assert error is None, error[-1500:]
     assert differences(want, got, resharded=w_save != w_load) == []
     seen.append((chain_lengths[-1], w_save != w_load, sum(h[2] for h in want["history"][0].values())))
 
 
 def test_base_and_deltas_restore_the_state_of_the_last_delta(pools):
-    """Random training with creates, updates and evictions, saved as chains of deltas (sync or
-    async, training on while they are written) at 1-3 ranks and restored at 1-3: every row with its header, clocks, counters, the
+    """Random training with creates, updates and evictions (with or without admission), saved
+    as chains of deltas (sync or async, training on while they are written) at 1-3 ranks and
+    restored at 1-3: every row with its header, clocks, counters, the
     ordinary table, dense weights and optimizer state equal those at the last save."""
     seen = []
     _chain_property(pools, seen)

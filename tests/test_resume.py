@@ -49,11 +49,12 @@ PER_WORLD = ("none", "ttl", "lfu")  # rows do not depend on the world size; budg
 
 # -- the model ---------------------------------------------------------------------------------
 def table_params(kind="none", num_embeddings=BUCKETS * BUCKET_SIZE, buckets=BUCKETS,
-                 optimizer="exact_rowwise_adagrad", whole_row=(True, False)):
+                 optimizer="exact_rowwise_adagrad", whole_row=(True, False), admission=None):
     return [KVZCHTableParams(name, 8, num_embeddings=num_embeddings, total_num_buckets=buckets,
                              learning_rate=0.1, optimizer=optimizer, enable_optimizer_offloading=True,
                              backend_return_whole_row=whole, eviction=EVICTION[kind] if name == "t" else EvictionPolicy(),
-                             checkpoint_chunk_rows=16, expected_rows=500)
+                             checkpoint_chunk_rows=16, expected_rows=500,
+                             **({"admission": admission} if admission is not None else {}))
             for name, whole in zip(("t", "u"), whole_row)]
 
 

@@ -228,6 +228,7 @@ class CheckpointManager:
         place; returns the step loaded, or None when there is none. A delta's chain is checked
         link by link (``verify``: every checksum too) before anything changes, then applied.
         Collective. ``verify`` and ``load_optimizer``: see ``KVZCHLoadPlanner``."""
+        self.wait()  # a save still being written: committed first (it may be the one to load)
         step = self.latest() if step is None else step
         if step is None:
             return None

@@ -62,7 +62,7 @@ def delta_state(state: dict, base: dict[RowStore, ChangeMark] | None,
             reason = str(e)
             break
     local = {"reason": reason, "decays": decays,
-             **{s.store.params.name: (len(c), d.numel()) for s, (c, d) in changed.items()}}
+             "sizes": {s.store.params.name: (len(c), d.numel()) for s, (c, d) in changed.items()}}
     gathered = [local]
     if dist.is_initialized() and dist.get_world_size(pg) > 1:
         gathered = [None] * dist.get_world_size(pg)
@@ -70,9 +70,10 @@ def delta_state(state: dict, base: dict[RowStore, ChangeMark] | None,
     reasons = [f"rank {r}: {g['reason']}" for r, g in enumerate(gathered) if g["reason"]]
     if reasons:
         return None, {}, reasons[0]
-    counts = {s.store.params.name: ([g.get(s.store.params.name, (0, 0))[0] for g in gathered],
-                                    [g.get(s.store.params.name, (0, 0))[1] for g in gathered])
-              for s in changed}
+    counts = {}  # table -> (changed rows per rank, deleted ids per rank)
+    for name in local["sizes"]:
+        sizes = [g["sizes"].get(name, (0, 0)) for g in gathered]
+        counts[name] = ([rows for rows, _ in sizes], [deleted for _, deleted in sizes])
     per_rank = {name: [g["decays"].get(name, []) for g in gathered] for name in decays}
     return _rebuilt(state, changed, counts, pg), {n: d for n, d in per_rank.items() if any(d)}, None
 

@@ -4,7 +4,8 @@ Every rank writes into ``<root>/step-<N>.partial``; once DCP has finished the sa
 data and the coordinator's ``.metadata`` are on disk), rank 0 renames the folder to
 ``<root>/step-<N>``. A rename within a filesystem is atomic, so a save killed at any moment
 leaves at most a ``.partial`` folder, which ``latest()`` never returns and the next save of that
-step replaces. Older complete checkpoints beyond ``keep`` are removed after each commit.
+step replaces. Older complete checkpoints beyond ``keep`` are removed after each commit
+(never one that a kept delta's chain needs).
 
 Incremental checkpoints (``full_every`` > 1, or ``save(incremental=True)``): a delta holds only
 the rows changed since the checkpoint before it and the ids deleted since (``torchrec/delta.py``),

@@ -12,12 +12,12 @@ a mark holds the log's length, so the ids deleted between two marks are a slice 
 is opt-in (``CheckpointManager`` with deltas turns it on) and trimmed at each checkpoint, so it
 holds the ids deleted since the last one, 8 bytes each.
 
-Decays. ``lfu`` eviction's decay rewrites every row's count at once; the factors are listed, so
-that a delta's restore can decay the rows it does not carry just as training did.
+Decays. ``lfu`` eviction's decay rewrites every row's count at once; while logging, the factors
+are listed, so that a delta's restore can decay the rows it does not carry just as training did.
 
 Everything else that changes rows without stamping them - writes and loads from outside
-training, deletes while not logging - counts as ``untracked``: a delta needs this count
-unchanged since its base, else the save is a full one.
+training, deletes and decays while not logging - counts as ``untracked``: a delta needs this
+count unchanged since its base, else the save is a full one.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ChangeMark:
     since: int  # rows stamped at or after this clock may have changed after the mark
     deleted: int  # the deletion log's length at the mark
     untracked: int  # untracked changes before the mark
-    decays: int = 0  # count decays before the mark
+    decays: int  # count decays logged before the mark
 
 
 class ChangeLog:
@@ -59,7 +59,10 @@ class ChangeLog:
         self.untracked += 1
 
     def decayed(self, factor: float) -> None:
-        self._decays.append(float(factor))
+        if self.logging:
+            self._decays.append(float(factor))
+        else:  # (like a delete: nothing is kept until deltas are asked for)
+            self.untracked += 1
 
     def decays_between(self, a: ChangeMark, b: ChangeMark) -> list[float]:
         return self._decays[a.decays - self._decays_start : b.decays - self._decays_start]

@@ -88,3 +88,13 @@ def torchrun(script: str, nproc: int, args: list[str]) -> None:
 def print_targets(targets: dict[str, bool]) -> None:
     for name, ok in targets.items():
         print(f"  [{'ok' if ok else 'MISS'}] {name}")
+
+
+def write_results(out: dict, path) -> None:
+    """``out`` (figures and their ``targets``) as JSON at ``path``, then shown."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k != "targets"}, indent=1))
+    print_targets(out["targets"])

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from _common import print_targets
+from _common import write_results
 from torchrec_kvzch import AdmissionPolicy
 from torchrec_kvzch.table.admission import Admission
 
@@ -108,11 +108,8 @@ def main() -> None:
         "final_loss_delta_min2 <= 0.01": out["final_loss_delta_min2"] <= 0.01,
         "false_admission_rate <= 0.01": out["false_admission_rate"] <= 0.01,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    write_results(out, args.json)
     plot(curves, args.json.with_suffix(".png"))
-    print(json.dumps({k: v for k, v in out.items() if k != "targets"}, indent=1))
-    print_targets(out["targets"])
 
 
 if __name__ == "__main__":

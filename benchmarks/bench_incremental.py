@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from _common import print_targets
+from _common import write_results
 from bench_checkpoint import build
 
 FRACTIONS = {"1pct": 0.01, "10pct": 0.10, "50pct": 0.50}
@@ -210,11 +210,8 @@ def main() -> None:
         "delta_save_ratio_1pct <= 0.1": out["delta_save_ratio_1pct"] <= 0.1,
         "restore_chain10_vs_full <= 1.5": out["restore_chain10_vs_full"] <= 1.5,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    write_results(out, args.json)
     plot(out, args.json.with_suffix(".png"))
-    print(json.dumps({k: v for k, v in out.items() if k != "targets"}, indent=1))
-    print_targets(out["targets"])
     dist.destroy_process_group()
 
 

@@ -20,6 +20,7 @@ those of an update announced before the freeze, ``RowStore.expect_update``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 
@@ -71,9 +72,8 @@ class RowSnapshot:
         n = len(self.store)
         changed = meta_timestamp_view(self.store.meta[:n]) >= base.since
         keep = torch.nonzero(changed[self.slots]).view(-1)
-        sub = RowSnapshot.__new__(RowSnapshot)
-        sub.store, sub.ids, sub.slots = self.store, self.ids[keep], self.slots[keep]
-        sub.epoch, sub.mark, sub._frozen, sub._unpin = self.epoch, self.mark, None, None
+        sub = copy.copy(self)  # same store, moment and mark; never frozen
+        sub.ids, sub.slots, sub._frozen, sub._unpin = self.ids[keep], self.slots[keep], None, None
         return sub
 
     def decays_since(self, base: ChangeMark) -> list[float]:

@@ -35,6 +35,15 @@ def test_saves_commit_and_keep_the_last_ones(tmp_path, asynchronous):
     assert loaded(manager, 2)[1]["step"].item() == 2
 
 
+def test_load_commits_a_pending_async_save_first(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(state(1.0), 1)
+    manager.save(state(2.0), 2, asynchronous=True)
+    step, into = loaded(manager)  # no wait(): the load finds step 2 committed all the same
+    assert step == 2 and torch.equal(into["w"], torch.full((1000,), 2.0))
+    manager.close()
+
+
 def test_a_save_killed_before_it_completes_leaves_the_previous_checkpoint(tmp_path):
     CheckpointManager(tmp_path).save(state(1.0), 1)
     # A process that dies after writing its data but before DCP writes the metadata.

@@ -68,5 +68,7 @@ def test_a_save_killed_before_it_completes_leaves_the_previous_checkpoint(tmp_pa
 def test_bad_arguments_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="keep at least 1"):
         CheckpointManager(tmp_path, keep=0)
+    with pytest.raises(ValueError, match="full_every=0; use 1"):
+        CheckpointManager(tmp_path, full_every=0)
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         CheckpointManager(tmp_path).load(state(0.0), 7)

@@ -8,7 +8,8 @@ x pooling 20, uniform and Zipf(1.05) ids, our kernel's training step (forward, b
 update) against fbgemm's CUDA TBE holding the same rows densely, alternating step by step
 (``bench_lookup.compare``, synchronised around each step). Ratios are throughputs, ours /
 TBE's, as ``ratio_<rows>_b<batch>_<dist>``. What bounds ours: ``map_ms_<case>``, the store's
-``find_or_insert`` with its header touch alone on the same batches. The id map's own rates on
+``find_or_insert`` with its header touch alone on the same batches, and ``find_ms_<case>``, its
+lookup alone. The id map's own rates on
 the GPU: ``find`` and ``find_or_insert`` (20% new ids) in keys/s, batches of 2^20 ids, at the
 load factor the 10M-key map runs at.
 
@@ -56,12 +57,14 @@ def device_ms(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def map_ms(tbe, universe, batch: int, pooling: int, dist: str, reps: int) -> float:
-    """The store's find_or_insert + header touch alone, on batches like the step's."""
+def map_ms(tbe, universe, batch: int, pooling: int, dist: str, reps: int) -> tuple[float, float]:
+    """The store's find_or_insert + header touch alone, and its lookup alone (``find``), on
+    batches like the step's; the touch costs about their difference."""
     ids = [universe[local.to(universe.device)]
            for local in batches(universe.numel(), batch, pooling, dist, reps + 2, seed=9)]
-    it = iter(ids)
-    return device_ms(lambda: tbe.store.find_or_insert(next(it)), universe.device, reps)
+    it, again = iter(ids), iter(ids)
+    return (device_ms(lambda: tbe.store.find_or_insert(next(it)), universe.device, reps),
+            device_ms(lambda: tbe.store.find(next(again)), universe.device, reps))
 
 
 def id_map_rates(universe: torch.Tensor, reps: int) -> dict:
@@ -127,7 +130,8 @@ def single_gpu(args, device: torch.device) -> dict:
                 r = compare(tbe, baseline, universe, batch, args.pooling, dist, args.steps, args.warmup)
                 results.update({f"ours_ms_{case}": r["ours_ms"], f"tbe_ms_{case}": r["tbe_ms"],
                                 f"ratio_{case}": r["ratio"]})
-                results[f"map_ms_{case}"] = map_ms(tbe, universe, batch, args.pooling, dist, args.steps)
+                results[f"map_ms_{case}"], results[f"find_ms_{case}"] = map_ms(
+                    tbe, universe, batch, args.pooling, dist, args.steps)
         if rows == args.rows[-1]:
             results.update(id_map_rates(universe, args.steps))
         del tbe, baseline, universe

@@ -384,3 +384,30 @@ def test_rows_are_read_straight_from_the_files(tmp_path, whole_row, raw_ids):
     expected = run_ranks(2, train_and_save, path, 7, 2, whole_row)[0][0]
     reads = run_ranks(3, load_counting_direct_reads, path, 7, expected, whole_row, raw_ids)
     assert all(n > 0 for n in reads) if raw_ids else not any(reads)
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor posing as one in accelerator memory, as CUDA tensors are to a save planner:
+    ``.numpy()`` refuses it until ``.cpu()`` copies it to host memory."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first")
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def test_a_synchronous_save_copies_device_tensors_to_the_host_before_their_checksums(tmp_path):
+    """DCP hands a save planner's resolve_data ordinary tensors where they live (dense weights,
+    FUSED tables, their optimizer state on the GPU) and copies them to the host only after it;
+    the checksum must not read them first."""
+    dense = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    dcp.save({"dense": dense.as_subclass(_OnDevice)}, checkpoint_id=str(tmp_path), planner=KVZCHSavePlanner(),
+             no_dist=True)
+    loaded = {"dense": torch.zeros(3, 4)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path), planner=KVZCHLoadPlanner(), no_dist=True)
+    assert torch.equal(loaded["dense"], dense)

@@ -1,9 +1,11 @@
 """The CUDA path against the CPU path: TableTBE, DMP on a CUDA rank, checkpoints between them.
 
-Skipped without a CUDA device; run them on a GPU machine (docs/gpu.md). One GPU suffices:
-the CUDA side runs on one NCCL rank, the CPU side of a checkpoint test on two gloo ranks.
+Skipped without a CUDA device, an error on a GPU machine where torch sees none (``_cuda.py``);
+``tools/gpu/check.sh`` runs them on a GPU machine (docs/gpu.md). One GPU suffices: the CUDA
+side runs on one NCCL rank, the CPU side of a checkpoint test on two gloo ranks.
 """
 
+import json
 import tempfile
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
+from _cuda import BACKEND, DEVICE, requires_cuda
 from _dist import run_ranks
 from test_resume import build, snapshot, state_of, train_step
 from test_sharding import BASE, random_cases, sweep
@@ -19,8 +22,8 @@ from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.table.tbe import TableTBE
 from torchrec_kvzch.table.layout import RowPart
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-CUDA = torch.device("cuda")
+pytestmark = requires_cuda()
+CUDA = DEVICE  # the CPU only where _cuda.py rehearses these tests without a GPU
 
 
 # -- the kernel --------------------------------------------------------------------------------
@@ -60,12 +63,34 @@ def test_kernel_on_cuda_trains_like_the_kernel_on_cpu(optimizer, pooling, dtype)
                                    ref.eval()(ids, offsets), **tol)
 
 
+# -- the id map ---------------------------------------------------------------------------------
+def test_the_id_map_kernels_agree_with_the_torch_twin_at_scale():
+    """Millions of ids in batches with repeats, new ids racing for the same entries, erasures
+    and the rehashes they cause: the GPU kernels give the twin's slots, compactions and keys."""
+    from torchrec_kvzch.table.id_map import IdMap
+
+    gpu, twin = IdMap("auto", CUDA), IdMap("torch", "cpu")
+    if CUDA.type == "cuda":
+        assert gpu.backend.name == "triton"
+    gen = torch.Generator().manual_seed(5)
+    for step in range(12):
+        ids = torch.randint(0, 2**22, (1 << 18,), generator=gen) * 2**30  # repeats, crowded homes
+        assert torch.equal(gpu.find_or_insert(ids.to(CUDA)).cpu(), twin.find_or_insert(ids))
+        if step % 3 == 2:
+            gone = ids[torch.randperm(ids.numel(), generator=gen)[: ids.numel() // 2]]
+            a, b = gpu.erase(gone.to(CUDA)), twin.erase(gone)
+            assert torch.equal(a.src.cpu(), b.src) and torch.equal(a.dst.cpu(), b.dst)
+    assert torch.equal(gpu.keys().cpu(), twin.keys())
+    probe = torch.randint(0, 2**23, (1 << 18,), generator=gen) * 2**30
+    assert torch.equal(gpu.find(probe.to(CUDA)).cpu(), twin.find(probe))
+
+
 # -- DMP ---------------------------------------------------------------------------------------
 def test_dmp_on_a_cuda_rank_matches_torchrec_fused_tables_on_cuda():
     """test_sharding's comparison (KV-ZCH tables against stock TorchRec FUSED twins over the
     same rows) on one NCCL rank, for pooled, weighted, sequence and random cases."""
     cases = [BASE, dict(BASE, weighted=True), dict(BASE, pooling=None, buckets=6)] + random_cases(21, 3)
-    run_ranks(1, sweep, cases, None, "cuda", backend="nccl", timeout=600)
+    run_ranks(1, sweep, cases, None, CUDA.type, backend=BACKEND, timeout=600)
 
 
 # -- checkpoints between CUDA and CPU ------------------------------------------------------------
@@ -110,7 +135,7 @@ def same_rows(a, b):
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_checkpoint_saved_on_cuda_loads_on_two_cpu_ranks_bit_for_bit(asynchronous):
     with tempfile.TemporaryDirectory() as root:
-        saved = run_ranks(1, train_and_save, "cuda", root, asynchronous, backend="nccl", timeout=600)[0]
+        saved = run_ranks(1, train_and_save, CUDA.type, root, asynchronous, backend=BACKEND, timeout=600)[0]
         loaded = run_ranks(2, load, "cpu", root, timeout=600)[0]
     same_rows(saved, loaded)
 
@@ -118,5 +143,19 @@ def test_a_checkpoint_saved_on_cuda_loads_on_two_cpu_ranks_bit_for_bit(asynchron
 def test_a_checkpoint_saved_on_two_cpu_ranks_loads_on_cuda_bit_for_bit():
     with tempfile.TemporaryDirectory() as root:
         saved = run_ranks(2, train_and_save, "cpu", root, timeout=600)[0]
-        loaded = run_ranks(1, load, "cuda", root, backend="nccl", timeout=600)[0]
+        loaded = run_ranks(1, load, CUDA.type, root, backend=BACKEND, timeout=600)[0]
     same_rows(saved, loaded)
+
+
+# -- the training job ----------------------------------------------------------------------------
+def test_the_job_trains_and_logs_on_a_cuda_rank(tmp_path):
+    """The job's own reductions (step totals, counters) are CPU tensors: its default group
+    pairs gloo with NCCL for them. Three steps, a log line and a checkpoint each."""
+    from torchrec_kvzch.job.train import main
+
+    run = tmp_path / "run"
+    assert main(["--config", "quickstart", "--nproc", "1", "--device", CUDA.type, "--steps", "3",
+                 "--global-batch-size", "256", "--log-every", "1", "--checkpoint-every", "1",
+                 "--run-dir", str(run)]) == 0
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert json.loads((run / "summary.json").read_text())["checkpoint_step"] == 3

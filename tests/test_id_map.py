@@ -1,17 +1,28 @@
-"""The id map: native op and torch twin agree with a plain-Python model on any operation sequence."""
+"""The id map: native op, torch twin and GPU kernels agree with a plain-Python model on any
+operation sequence. Without a GPU, Triton's interpreter runs the kernels on the CPU."""
 
 import contextlib
+import importlib.util
+import os
 
 import pytest
 import torch
+
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels' module is first imported
 from hypothesis import given, strategies as st
 
-from torchrec_kvzch.table import id_map, native
+from torchrec_kvzch.table import id_map, layout, native
 from torchrec_kvzch.table.id_map import (
     BUCKET, MAX_LOAD, MIN_CAPACITY, IdMap, IdOutOfRange, TorchBackend, home, native_status,
 )
 
-BACKENDS = ["native", "torch"]
+BACKENDS = ["native", "torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
+
+
+def new_map(backend: str) -> IdMap:
+    """A map of ``backend`` on its device: the GPU kernels on CUDA where there is one."""
+    return IdMap(backend, "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
 
 
 class ReferenceMap:
@@ -73,7 +84,7 @@ def test_an_x86_cpu_without_avx2_is_not_given_the_avx2_build(monkeypatch):
 @given(ops=ops_st, first=st.booleans())
 def test_backends_agree_with_reference_on_any_sequence(ops, first):
     ref = ReferenceMap()
-    maps = {b: IdMap(b) for b in BACKENDS}
+    maps = {b: new_map(b) for b in BACKENDS}
     with lookup_first(first):
         run_ops(ops, ref, maps)
 
@@ -101,7 +112,7 @@ def run_ops(ops, ref, maps):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_slots_stable_across_growth_and_rehash(backend):
-    m = IdMap(backend)
+    m = new_map(backend)
     gen = torch.Generator().manual_seed(0)
     first = torch.randint(0, 2**60, (700,), generator=gen)
     slots = m.find_or_insert(first)
@@ -112,13 +123,13 @@ def test_slots_stable_across_growth_and_rehash(backend):
     assert torch.equal(m.find(first), slots)
     # Equal ids, equal slots; distinct ids, distinct slots.
     all_slots = m.find(m.keys())
-    assert torch.equal(all_slots, torch.arange(len(m)))
+    assert torch.equal(all_slots, torch.arange(len(m), device=all_slots.device))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tombstones_are_reclaimed(backend):
     """Insert/erase churn at constant size must not grow the table without bound."""
-    m = IdMap(backend)
+    m = new_map(backend)
     live = torch.arange(300)
     m.find_or_insert(live)
     for round_ in range(1, 40):
@@ -147,21 +158,50 @@ def test_the_torch_twin_finds_the_same_entries_whatever_its_window(seed, load, t
     """Probing several entries per round (as on a GPU) ends each probe where stepping one entry
     at a time does: on tables filled by hand up to 97% (long runs that wrap around the end) with
     tombstones, for present, erased and absent ids."""
-    capacity = 256
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 2**62, (int(load * capacity),), generator=gen).unique()
-    table = torch.full((capacity, 2), id_map.EMPTY, dtype=torch.long)
-    for slot, (i, pos) in enumerate(zip(ids.tolist(), home(ids, capacity).tolist())):
-        while table[pos, 0] != id_map.EMPTY:  # linear probing, by hand
-            pos = (pos + 1) % capacity
-        table[pos] = torch.tensor([i, slot])
-    erased = torch.rand(capacity, generator=gen) < tombs
-    table[erased & (table[:, 0] >= 0), 0] = id_map.TOMB
+    table, ids, gen = hand_filled(seed, load, tombs)
     queries = torch.cat([ids, torch.randint(0, 2**62, (50,), generator=gen)])
     want = TorchBackend(1).probe(table, queries)
     live = set(table[:, 0].tolist())
     assert [p >= 0 for p in want.tolist()] == [q in live for q in queries.tolist()]
     assert torch.equal(TorchBackend(window).probe(table, queries), want)
+
+
+def hand_filled(seed: int, load: float, tombs: float, capacity: int = 256):
+    """A table filled by linear probing by hand up to ``load`` (long runs wrap around the end),
+    then a ``tombs`` share of its entries erased; (table, the ids put in, the generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 2**62, (int(load * capacity),), generator=gen).unique()
+    table = torch.full((capacity, 2), id_map.EMPTY, dtype=torch.long)
+    for slot, (i, pos) in enumerate(zip(ids.tolist(), home(ids, capacity).tolist())):
+        while table[pos, 0] != id_map.EMPTY:
+            pos = (pos + 1) % capacity
+        table[pos] = torch.tensor([i, slot])
+    erased = torch.rand(capacity, generator=gen) < tombs
+    table[erased & (table[:, 0] >= 0), 0] = id_map.TOMB
+    return table, ids, gen
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs Triton")
+@given(seed=st.integers(0, 2**31), load=st.floats(0.0, 0.9), tombs=st.floats(0.0, 0.5))
+def test_the_gpu_kernels_probe_and_place_as_the_twin_on_crowded_tables(seed, load, tombs):
+    """Probes walk past tombstones and around the end to where the twin's end; new ids racing
+    for the same free entries each get one of their own, found again with their slots."""
+    table, ids, gen = hand_filled(seed, load, tombs)
+    device = new_map("triton").device
+    gpu = id_map.TritonBackend(device)
+    queries = torch.cat([ids, torch.randint(0, 2**62, (50,), generator=gen)])
+    assert torch.equal(gpu.probe(table.to(device), queries.to(device)).cpu(), TorchBackend(1).probe(table, queries))
+    room = int((table[:, 0] == id_map.EMPTY).sum()) - 1  # an empty entry stays, ending probes
+    new = torch.randint(2**62, 2**63 - 1, (room,), generator=gen).unique()
+    slots = torch.arange(1000, 1000 + new.numel())
+    placed = table.to(device)
+    gpu._place(placed, new.to(device), slots.to(device))
+    placed = placed.cpu()
+    kept = table[:, 0] >= 0
+    assert torch.equal(placed[kept], table[kept])  # live entries untouched
+    assert torch.equal(TorchBackend(1).lookup(placed, new, 0, 2**63 - 1)[0], slots)
+    assert torch.equal(TorchBackend(1).lookup(placed, ids, 0, 2**63 - 1)[0],
+                      TorchBackend(1).lookup(table, ids, 0, 2**63 - 1)[0])
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -234,7 +274,7 @@ def test_native_inserts_on_crowded_tables_keep_first_appearance_order(first, thr
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_ids_are_rejected_before_any_change(backend):
-    m = IdMap(backend)
+    m = new_map(backend)
     m.find_or_insert(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="ids must be non-negative global ids, got -5"):
         m.find_or_insert(torch.tensor([4, -5]))
@@ -248,7 +288,7 @@ def test_bad_ids_are_rejected_before_any_change(backend):
 def test_bounds_are_checked_before_any_change(backend, first):
     """A lookup refuses ids outside its bounds in the same pass, naming the first one, and inserts
     nothing; an absent id inside them reads -1."""
-    m = IdMap(backend)
+    m = new_map(backend)
     m.find_or_insert(torch.tensor([10, 11]))
     with pytest.raises(IdOutOfRange) as caught, lookup_first(first):
         m.find_or_insert(torch.tensor([12, 10, 25, 9, 30]), bounds=(10, 20))
@@ -312,3 +352,22 @@ def test_native_slots_do_not_depend_on_threads(threads, first):
     every = torch.tensor(ref.keys + [2**41, 2**41 + 1])
     twin, bad, misses = TorchBackend().lookup(m.table, every, 0, 2**62)
     assert twin.tolist() == ref.find(every.tolist()) and bad == -1 and misses == 2
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs Triton")
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 400), n=st.integers(0, 3000), clock=st.integers(0, 2**40))
+def test_the_gpu_header_touch_is_the_twins(seed, rows, n, clock):
+    """Timestamps, counts grown by occurrences (saturating, hot rows included) and used bits:
+    as ``layout.touch_meta``, and the scratch counters are left zero for the next batch."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.where(torch.rand(rows, generator=gen) < 0.2, layout.COUNT_MAX - torch.randint(0, 50, (rows,), generator=gen),
+                         torch.randint(0, 1000, (rows,), generator=gen))
+    meta = layout.make_meta(torch.randint(0, 2**32, (rows,), generator=gen), counts, used=True)
+    meta = torch.where(torch.rand(rows, generator=gen) < 0.1, meta & (2**63 - 1), meta)  # unused rows
+    slots = torch.randint(0, rows, (n,), generator=gen)
+    slots[: n // 2] = slots[: n // 2] % 3  # a few hot rows
+    gpu = id_map.TritonBackend(new_map("triton").device)
+    want, got = meta.clone(), meta.to(gpu._counts.device)
+    layout.touch_meta(want, slots, clock, native=False)
+    gpu.touch(got, slots.to(got.device), clock)
+    assert torch.equal(got.cpu(), want) and not bool(gpu._counts.any())

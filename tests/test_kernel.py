@@ -9,7 +9,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from hypothesis import given, strategies as st
 
-from torchrec_kvzch import KVZCHTableParams
+from torchrec_kvzch import EvictionPolicy, KVZCHTableParams
 from torchrec_kvzch.table.tbe import TableTBE
 from torchrec_kvzch.table.layout import RowPart
 
@@ -119,13 +119,66 @@ def test_second_forward_that_would_grow_before_backward_is_refused():
     p = KVZCHTableParams("h", 4, num_embeddings=2**40, total_num_buckets=8)
     tbe = TableTBE(p, p.bucket_range(0, 1))
     first = tbe(torch.arange(10), torch.tensor([0, 5, 10]))
-    with pytest.raises(RuntimeError, match="a second forward before the backward"):
+    with pytest.raises(RuntimeError, match="'h': a forward before the backward of the one before it .* grow"):
         tbe(torch.arange(10, 5000), torch.tensor([0, 4990]))
     assert len(tbe.store) == 10  # refused before any change
     first.sum().backward()
     tbe(torch.arange(10, 5000), torch.tensor([0, 4990])).sum().backward()  # fine now
     with torch.no_grad():  # evaluation never holds a pending update
         tbe(torch.arange(10**6, 10**6 + 3000), torch.tensor([0, 3000]))
+
+
+@pytest.mark.parametrize("optimizer", ["exact_sgd", "exact_rowwise_adagrad"])
+def test_forwards_ahead_of_backwards_apply_each_update_to_its_rows(optimizer):
+    """TorchRec's semi-sync pipeline: batch i+1's lookup (creating rows) before batch i's
+    backward. Given the same gradients, each update lands on its own rows as when every
+    backward follows its forward (before the fix, autograd refused the second forward's new rows
+    as a change of what the first had saved)."""
+    p = KVZCHTableParams("s", 8, num_embeddings=2**40, total_num_buckets=8, learning_rate=0.1,
+                         optimizer=optimizer, expected_rows=4096)
+    ahead, stepwise = (TableTBE(p, p.bucket_range(0, 1)) for _ in range(2))
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 300, (400,), generator=gen) for _ in range(4)]  # shared and new ids
+    offsets = torch.arange(0, 401, 4)
+    grads = [torch.randn(100, 8, generator=gen) for _ in batches]
+    for ids, grad in zip(batches, grads):
+        stepwise(ids, offsets).backward(grad)
+    outputs = [ahead(batches[0], offsets)]
+    for i, grad in enumerate(grads):
+        if i + 1 < len(batches):
+            outputs.append(ahead(batches[i + 1], offsets))
+        outputs.pop(0).backward(grad)
+    assert ahead.store.pending_update is None
+    ids = torch.sort(stepwise.store.keys()).values
+    assert torch.equal(torch.sort(ahead.store.keys()).values, ids)
+    for part in (RowPart.WEIGHT, RowPart.OPTIMIZER):
+        torch.testing.assert_close(ahead.store.read_ids(ids, part), stepwise.store.read_ids(ids, part),
+                                   rtol=0, atol=0)
+
+
+def test_each_pending_update_ends_with_its_own_backward_or_graph():
+    p = KVZCHTableParams("q", 4, num_embeddings=2**40, total_num_buckets=8)
+    tbe = TableTBE(p, p.bucket_range(0, 1))
+    first = tbe(torch.arange(10), torch.tensor([0, 10]))
+    second = tbe(torch.arange(10, 20), torch.tensor([0, 10]))
+    first.sum().backward()
+    assert torch.equal(tbe.store.pending_update, tbe.store.find(torch.arange(10, 20)))  # second's
+    with pytest.raises(RuntimeError, match="'q': a forward before the backward"):
+        tbe(torch.arange(100, 5000), torch.tensor([0, 4900]))
+    del second  # dropped without a backward: its update never comes
+    assert tbe.store.pending_update is None
+    tbe(torch.arange(100, 5000), torch.tensor([0, 4900])).sum().backward()  # may grow now
+
+
+def test_eviction_under_a_pending_update_is_refused_naming_the_table():
+    p = KVZCHTableParams("e", 4, num_embeddings=2**40, total_num_buckets=8,
+                         eviction=EvictionPolicy("lru", max_rows=100))
+    tbe = TableTBE(p, p.bucket_range(0, 1))
+    first = tbe(torch.arange(90), torch.tensor([0, 90]))
+    tbe(torch.arange(90, 95), torch.tensor([0, 5]))  # room for these: nothing to evict
+    with pytest.raises(RuntimeError, match="'e': a forward before the backward .* evict rows"):
+        tbe(torch.arange(200, 220), torch.tensor([0, 20]))
+    first.sum().backward()
 
 
 def test_dims_fbgemm_cannot_run_are_refused_with_a_clear_error():

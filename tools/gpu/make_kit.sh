@@ -19,4 +19,13 @@ python3 -m pip download -q $platform -d "$out" torchrec==1.6.1 tensordict==0.15.
   crc32c==2.9.post0
 [ -n "$(ls "$out"/iopath-*.whl 2>/dev/null)" ] || (cd "$out" && python3 -m pip wheel -q --no-deps iopath==0.1.10)
 cp "$here/setup.sh" "$out/setup.sh"
-du -sh "$out"
+# The kit travels with the working tree to the GPU machine, which takes 64 MiB in all.
+python3 - "$out" <<'PY'
+import os, subprocess, sys
+kit = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(sys.argv[1]) for f in fs)
+tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, check=True).stdout.split(b"\0")
+tree = sum(os.path.getsize(f) for f in tracked if f and os.path.isfile(f))
+print(f"kit {kit / 2**20:.1f} MiB + tree {tree / 2**20:.1f} MiB = {(kit + tree) / 2**20:.1f} MiB of 64")
+if kit + tree > 64 << 20:
+    sys.exit("over the 64 MiB a GPU machine is sent: shrink the kit (pack_fbgemm.py) or the tree")
+PY

@@ -19,6 +19,7 @@ import threading
 import uuid
 from collections import Counter
 
+import torch
 import torch.distributed as dist
 from fbgemm_gpu.tbe.ssd.utils.partially_materialized_tensor import PartiallyMaterializedTensor
 from torch.distributed.checkpoint import DefaultSavePlanner
@@ -78,6 +79,8 @@ class KVZCHSavePlanner(DefaultSavePlanner):
                     if view.store.device.type == "cpu" else view.full_tensor().cpu())
         else:
             data = super().resolve_data(write_item)
+            if isinstance(data, torch.Tensor) and data.device.type != "cpu":
+                data = data.cpu()  # its checksum reads host memory; the writer would copy it anyway
         if self._checksums is not None:
             self._checksums.add(write_item.index, data)
         with self._lock:

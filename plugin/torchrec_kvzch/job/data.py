@@ -19,7 +19,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvzch.torchrec.config import ShardingConfig
-from torchrec_kvzch.table.id_map import mix64, unit_uniform  # splitmix64: a cheap, well-spread hash
+from torchrec_kvzch.table.hashing import mix64, unit_uniform  # splitmix64: a cheap, well-spread hash
 
 DENSE_FEATURES = INT_FEATURE_COUNT  # 13, as in Criteo
 _PROBE_STEP = -1  # the fixed batch that predictions are compared on

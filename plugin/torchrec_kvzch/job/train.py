@@ -84,6 +84,12 @@ def store_counters(model) -> dict[str, list[int]]:
     return {key: [c.get(key, 0) for c in counters] for key in keys}
 
 
+def process_group_backend(device: torch.device) -> str:
+    """The default group's backend: NCCL for the model's CUDA tensors, and gloo beside it for
+    the CPU tensors the job reduces itself (step totals, summaries): NCCL has no CPU path."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 # -- the worker --------------------------------------------------------------------------------
 class PeerLost(RuntimeError):
     """A collective failed: another rank died or stalled."""
@@ -99,7 +105,7 @@ class Trainer:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout_s))
+        dist.init_process_group(process_group_backend(device), timeout=timedelta(seconds=args.timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))

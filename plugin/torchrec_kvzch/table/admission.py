@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from torchrec_kvzch.params import AdmissionKind, AdmissionPolicy
-from torchrec_kvzch.table.id_map import mix64, unit_uniform
+from torchrec_kvzch.table.hashing import mix64, unit_uniform
 
 COUNT_MAX = 255  # counters are uint8
 

@@ -27,18 +27,18 @@ therefore be plain contiguous arrays that fbgemm's TBE indexes directly.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from torchrec_kvzch.table.hashing import BUCKET, EMPTY, TOMB, home
 from torchrec_kvzch.table.native import NATIVE_WHY, empty_large, native_status, release_rows
 
 logger = logging.getLogger(__name__)
 
-EMPTY = -1
-TOMB = -2
 MAX_LOAD = 0.7
 MIN_CAPACITY = 1024
 MAX_SLOTS = 2**31 - 1  # rows per table shard
@@ -49,41 +49,6 @@ MAX_SLOTS = 2**31 - 1  # rows per table shard
 # 3.0 ms with only new ids), where most probes are walked twice.
 LOOKUP_FIRST_BELOW = 0.25
 ANY_ID = (0, 2**63 - 1)  # the bounds of a lookup that only refuses negative ids
-
-_M1 = 0xBF58476D1CE4E5B9 - 2**64  # the splitmix64 constants as signed int64
-_M2 = 0x94D049BB133111EB - 2**64
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finalizer on int64 tensors; bit-identical to ``mix64`` in the C++ op."""
-    x = x ^ _shr(x, 30)
-    x = x * _M1
-    x = x ^ _shr(x, 27)
-    x = x * _M2
-    return x ^ _shr(x, 31)
-
-
-def unit_uniform(hashes: torch.Tensor) -> torch.Tensor:
-    """The top 53 bits of int64 hashes (``mix64``) as float64 uniforms in [0, 1)."""
-    return ((hashes >> 11) & ((1 << 53) - 1)).double() / 2.0**53
-
-
-BUCKET = 4  # entries per cache line; a probe starts at the first entry of its id's line
-
-
-_FIBONACCI = 0x9E3779B97F4A7C15 - 2**64  # 2^64 / golden ratio, as a signed int64
-
-
-def home(ids: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Where each id's probe starts (as ``home`` in the C++ op): the first entry of its bucket,
-    from the top log2(capacity) bits of ``id * 2^64 / phi`` (Fibonacci hashing)."""
-    return _shr(ids * _FIBONACCI, 64 - (capacity.bit_length() - 1)) & (capacity - BUCKET)
-
 
 def capacity_for(n: int) -> int:
     """Smallest power-of-two table holding n keys at load <= MAX_LOAD."""
@@ -207,6 +172,37 @@ class TorchBackend:
             ids, slots, pos = ids[keep], slots[keep], (pos[keep] + 1) & mask
 
 
+class TritonBackend(TorchBackend):
+    """The torch twin with its probe and placement rounds done by GPU kernels instead
+    (``gpu_kernels.py``): a lookup is one launch and one host sync, whatever the probes."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        from torchrec_kvzch.table import gpu_kernels  # imports Triton: only when chosen
+
+        gpu_kernels.check_device(device)
+        self.kernels = gpu_kernels
+        self._counts = torch.zeros(0, dtype=torch.int32, device=device)
+
+    def probe(self, table, ids):
+        return self.kernels.probe(table, ids, *ANY_ID)[0]
+
+    def lookup(self, table, ids, lo, hi):
+        _, slots, bad, misses = self.kernels.probe(table, ids, lo, hi)
+        return (ids, bad, 0) if bad >= 0 else (slots, -1, misses)
+
+    def _place(self, table, ids, slots) -> None:
+        self.kernels.place(table, ids, slots)
+
+    def touch(self, meta: torch.Tensor, slots: torch.Tensor, clock: int) -> None:
+        """``layout.touch_meta`` by the kernels (per-slot scratch counters grow with ``meta``)."""
+        if self._counts.numel() < meta.shape[0]:
+            self._counts = torch.zeros(meta.shape[0], dtype=torch.int32, device=meta.device)
+        self.kernels.touch(meta, slots, clock, self._counts)
+
+
 class NativeBackend:
     """The C++ op from ``csrc/id_map_ops.cpp``."""
 
@@ -223,9 +219,16 @@ class NativeBackend:
 
 
 def backend_for(backend: str, device: torch.device) -> Backend:
-    """``auto`` picks the native op on CPU when it is built, else the torch twin."""
-    if backend not in ("auto", "native", "torch"):
-        raise ValueError(f"id map backend must be 'auto', 'native' or 'torch', got {backend!r}")
+    """``auto`` picks the native op on CPU when it is built, the GPU kernels on CUDA when Triton
+    is installed, else the torch twin."""
+    if backend not in ("auto", "native", "torch", "triton"):
+        raise ValueError(f"id map backend must be 'auto', 'native', 'torch' or 'triton', got {backend!r}")
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        if importlib.util.find_spec("triton") is not None:
+            return TritonBackend(device)
+        if backend == "triton":
+            raise ValueError("the triton id map needs Triton (pip install triton); use 'torch'")
+        logger.warning("Triton is not installed: the torch id map serves %s, slower", device)
     if backend == "torch" or device.type != "cpu":
         if backend == "native":
             raise ValueError(f"the native id map runs on CPU only, not on {device}; use 'torch'")

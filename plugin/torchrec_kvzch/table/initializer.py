@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from torchrec_kvzch.table.id_map import mix64
+from torchrec_kvzch.table.hashing import mix64
 from torchrec_kvzch.table.native import native_status
 
 

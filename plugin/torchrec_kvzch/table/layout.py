@@ -21,8 +21,8 @@ import torch
 from torchrec_kvzch.params import KVZCHTableParams
 
 HEADER_BYTES = 16
-_TS_MASK = (1 << 32) - 1
-_COUNT_MASK = (1 << 31) - 1
+TS_MASK = (1 << 32) - 1
+COUNT_MAX = (1 << 31) - 1
 _USED_BIT = 1 << 63  # bit 31 of the uint32 at byte 12
 
 
@@ -42,14 +42,14 @@ def pad4(n: int) -> int:
 
 def make_meta(timestamp: torch.Tensor | int, count: torch.Tensor | int, used: bool = True):
     """The header's second int64 word: timestamp | count << 32 | used << 63."""
-    meta = (torch.as_tensor(timestamp, dtype=torch.long) & _TS_MASK) | (
-        (torch.as_tensor(count, dtype=torch.long) & _COUNT_MASK) << 32
+    meta = (torch.as_tensor(timestamp, dtype=torch.long) & TS_MASK) | (
+        (torch.as_tensor(count, dtype=torch.long) & COUNT_MAX) << 32
     )
     return meta | _USED_BIT if used else meta
 
 
 def meta_timestamp(meta: torch.Tensor) -> torch.Tensor:
-    return meta & _TS_MASK
+    return meta & TS_MASK
 
 
 def meta_timestamp_view(meta: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ def meta_timestamp_view(meta: torch.Tensor) -> torch.Tensor:
 
 
 def meta_count(meta: torch.Tensor) -> torch.Tensor:
-    return (meta >> 32) & _COUNT_MASK
+    return (meta >> 32) & COUNT_MAX
 
 
 def meta_count_then_timestamp(meta: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ def meta_count_then_timestamp(meta: torch.Tensor) -> torch.Tensor:
 
 def with_count(meta: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Header words with their access counts replaced by ``count`` (timestamp and used bit kept)."""
-    return (meta & ~(_COUNT_MASK << 32)) | ((count & _COUNT_MASK) << 32)
+    return (meta & ~(COUNT_MAX << 32)) | ((count & COUNT_MAX) << 32)
 
 
 def decayed(meta: torch.Tensor, factor: float) -> torch.Tensor:
@@ -89,8 +89,8 @@ def touch_meta(meta: torch.Tensor, slots: torch.Tensor, clock: int, native: bool
         return
     rows, hits = torch.unique(slots, return_counts=True)
     old = meta[rows]
-    count = torch.clamp(meta_count(old) + hits, max=_COUNT_MASK)
-    meta[rows] = (old & _USED_BIT) | (count << 32) | (clock & _TS_MASK)
+    count = torch.clamp(meta_count(old) + hits, max=COUNT_MAX)
+    meta[rows] = (old & _USED_BIT) | (count << 32) | (clock & TS_MASK)
 
 
 @dataclass(frozen=True)

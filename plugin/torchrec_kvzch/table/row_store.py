@@ -9,9 +9,10 @@ Training goes through ``lookup_for_update``: it advances the store's clock, admi
 (``admission.py``), runs eviction (``eviction.py``), and finds or creates the batch's rows. The
 fused update fbgemm's TBE writes in backward is announced with ``expect_update`` and
 ``update_started``: in between, no row may move, and a frozen snapshot copies the rows it will
-change. Checkpoints read rows through snapshots (``snapshot.py``; frozen ones are ``pin``-ned:
-every change first lets them copy rows aside, and array swaps happen under ``lock``, as another
-thread may read them); incremental ones ask ``changes`` what changed since a ``mark``.
+change (``pending.py``). Checkpoints read rows through snapshots (``snapshot.py``; frozen ones
+are ``pin``-ned: every change first lets them copy rows aside, and array swaps happen under
+``lock``, as another thread may read them); incremental ones ask ``changes`` what changed
+since a ``mark``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torchrec_kvzch.table.history import EVICTED, INSERTED, BucketHistory
 from torchrec_kvzch.table.id_map import IdMap, IdOutOfRange, as_ids, map_bytes
 from torchrec_kvzch.table.initializer import fill_uniform_by_id
 from torchrec_kvzch.table.layout import RowLayout, RowPart, make_meta, meta_used, touch_meta
+from torchrec_kvzch.table.pending import PendingUpdate, PendingUpdates
 
 _GROWTH = 1.5
 _MIN_ROWS = 1024
@@ -54,13 +56,13 @@ class RowStore:
         self.layout = RowLayout.for_table(params)
         self.bucket_range = bucket_range or BucketRange(0, params.total_num_buckets,
                                                         params.bucket_size)
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:<current>", as tensors say
         self.id_map = IdMap(backend, self.device)
         self.native = self.id_map.backend.name == "native"  # same choice for arrays, init, touch
         self.clock = 0  # training steps seen; stamped into the headers find_or_insert touches
         self.epoch = 0  # bumped whenever rows change slots (delete, clear): snapshots check it
         self.lock = threading.RLock()
-        self._pending: torch.Tensor | None = None  # slots the announced fused update will write
+        self._pending = PendingUpdates()  # announced fused updates not started yet (pending.py)
         self._frozen: tuple = ()  # copy-on-write states of frozen snapshots (see snapshot.py)
         self.history = BucketHistory(self.bucket_range)  # rows inserted and evicted, by bucket
         self.changes = ChangeLog()  # what incremental checkpoints need to tell (changes.py)
@@ -118,43 +120,35 @@ class RowStore:
     # -- training -----------------------------------------------------------------------------
     def lookup_for_update(self, ids: torch.Tensor) -> torch.Tensor:
         """The slots of a training batch: one step of the clock, admission (``admission.py``:
-        -1 for ids not admitted yet), eviction when no fused update is pending (a delete moves
-        rows), then ``find_or_insert``. Under a pending update the store must not grow either
-        (the update would land in the dropped arrays): refused."""
-        if self._pending is not None and len(self) + ids.numel() > self.capacity:
-            raise RuntimeError(
-                f"KV-ZCH table '{self.params.name}': a second forward before the backward of the "
-                "first would have to grow the row store, which would drop the pending fused "
-                "update; run backward between forwards, or reserve capacity up front "
-                "(RowStore.reserve / the planner's expected_rows)")
+        -1 for ids not admitted yet), eviction, then ``find_or_insert``. Under a pending update
+        neither eviction (a delete moves rows) nor growth (the update would land in the dropped
+        arrays) can happen: refused."""
+        if self._pending and len(self) + ids.numel() > self.capacity:
+            raise self._pending.refused(self.params.name, f"grow the row store past {self.capacity:,} rows")
         self.clock += 1
+        ok = None
         if self.admission is not None:
             ids = as_ids(ids, self.device, check=False)  # range: checked by find
             ok = self.admission.admit(ids, self.find(ids) >= 0)
-            if not bool(ok.all()):
-                slots = torch.full_like(ids, -1)
-                slots[ok] = self._evict_then_insert(ids[ok])
-                return slots
-        return self._evict_then_insert(ids)
+            ok = None if bool(ok.all()) else ok
+        admitted = ids if ok is None else ids[ok]
+        self.evictor.before_insert(admitted)  # its evict is refused under a pending update
+        if ok is None:
+            return self.find_or_insert(admitted)
+        return torch.full_like(ids, -1).masked_scatter_(ok, self.find_or_insert(admitted))
 
-    def _evict_then_insert(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._pending is None:
-            self.evictor.before_insert(ids)
-        return self.find_or_insert(ids)
+    def expect_update(self, slots: torch.Tensor) -> PendingUpdate:
+        """A fused update will write the rows at ``slots`` (``pending.py``)."""
+        return self._pending.add(slots, self.clock)
 
-    def expect_update(self, slots: torch.Tensor) -> None:
-        """A fused update will write the rows at ``slots`` (the last forward's only: outputs
-        dropped without a backward must not pile up); a snapshot frozen until then copies them."""
-        self._pending = slots
-
-    def update_started(self) -> None:
-        """The announced update is being applied now (its gradient has arrived)."""
-        self._pending = None
+    def update_started(self, update: PendingUpdate | None = None) -> None:
+        """``update`` (None: every one) is under way (its gradient arrived), or never will be."""
+        self._pending.started(update)
 
     @property
     def pending_update(self) -> torch.Tensor | None:
-        """The slots of the announced fused update, or None."""
-        return self._pending
+        """The slots of every announced fused update not started yet, or None."""
+        return self._pending.slots()
 
     # -- id -> slot ---------------------------------------------------------------------------
     def find(self, ids: torch.Tensor) -> torch.Tensor:
@@ -174,7 +168,10 @@ class RowStore:
                 self.history.count(INSERTED, self.keys()[old:])
         if touch and slots.numel():
             self._before_change(slots)
-            touch_meta(self.meta, slots, self.clock, self.native)
+            if self.id_map.backend.name == "triton":  # the GPU kernels' touch, no sort
+                self.id_map.backend.touch(self.meta, slots, self.clock)
+            else:
+                touch_meta(self.meta, slots, self.clock, self.native)
         return slots
 
     def delete(self, ids: torch.Tensor) -> int:
@@ -198,6 +195,8 @@ class RowStore:
 
     def evict(self, slots: torch.Tensor) -> None:
         """Delete the rows at ``slots``, counting them as evicted (eviction's way out)."""
+        if self._pending:
+            raise self._pending.refused(self.params.name, "evict rows (deletes move rows)")
         ids = self.keys()[slots].clone()
         self.delete(ids)
         self.history.count(EVICTED, ids)
@@ -243,7 +242,8 @@ class RowStore:
 
     def mark(self) -> ChangeMark:
         """Now, for telling later what changed since (``changes.py``)."""
-        return self.changes.mark(self.clock, self._pending is not None)
+        oldest = self._pending.oldest_clock()  # rows stamped by a pending forward change later
+        return self.changes.mark(self.clock, False) if oldest is None else self.changes.mark(oldest, True)
 
     def pin(self, frozen) -> None:
         """Have a frozen snapshot (``snapshot._Frozen``) copy rows aside before they change

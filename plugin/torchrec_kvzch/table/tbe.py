@@ -10,12 +10,17 @@ One hazard follows: the fused backward writes into the arrays the forward saw. I
 reallocated or moved rows in between, those writes would go to a dropped buffer or the wrong
 rows. So each training forward announces its update to the store (``expect_update``), which
 then neither evicts nor grows until the update starts (``update_started``, from the output's
-gradient hook); the store owns that state, with its clock, eviction and budget.
+gradient hook, or when the output's graph is dropped without a backward); the store owns that
+state, with its clock, eviction and budget. Forwards may run ahead of backwards (TorchRec's
+semi-sync pipeline): each has its own pending update, and rows a later forward creates are
+written in place beside them, which autograd must not take for a change of what an earlier
+forward saved (the TBE sees the arrays through aliases with version counters of their own).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -118,9 +123,7 @@ class TableTBE(nn.Module):
             out = self._with_default(slots, offsets.long(), per_sample_weights, admitted)
             slots = slots[admitted]
         if out.requires_grad:
-            self.store.expect_update(slots)
-            # Runs as the output's gradient arrives, i.e. just before fbgemm's fused update.
-            out.register_hook(lambda grad: self.store.update_started())
+            out.register_hook(_UpdateHook(self.store, self.store.expect_update(slots)))
         return out
 
     def _with_default(self, slots, offsets, per_sample_weights, admitted) -> torch.Tensor:
@@ -201,13 +204,15 @@ class TableTBE(nn.Module):
         return out
 
     def _bind(self) -> None:
-        """Point fbgemm's TBE at the store's current arrays (cheap; re-done after growth)."""
+        """Point fbgemm's TBE at the store's current arrays (cheap; re-done after growth), through
+        ``.data`` aliases: a version counter apart from the store's, which bumps as rows are
+        created or loaded (the store keeps the rows of pending updates in place itself)."""
         store = self.store
         if self._bound is store.weights:
             return
-        self._set_tensor(f"weights_{self._suffix}", store.weights.view(-1))
+        self._set_tensor(f"weights_{self._suffix}", store.weights.view(-1).data)
         if store.optimizer.shape[1]:
-            self._set_tensor(f"momentum1_{self._suffix}", store.optimizer.view(-1))
+            self._set_tensor(f"momentum1_{self._suffix}", store.optimizer.view(-1).data)
         self._set_geometry(store.capacity)
         self._bound = store.weights
 
@@ -224,3 +229,15 @@ class TableTBE(nn.Module):
         if isinstance(current, nn.Parameter):
             tensor = nn.Parameter(tensor, requires_grad=current.requires_grad)
         setattr(self.tbe, name, tensor)
+
+
+class _UpdateHook:
+    """The gradient hook of a training output: its fused update is starting. Held by the output
+    and its graph only, so an output dropped without a backward ends its pending update too."""
+
+    def __init__(self, store: RowStore, update) -> None:
+        self.store, self.update = store, update
+        weakref.finalize(self, store.update_started, update)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.store.update_started(self.update)

@@ -45,12 +45,19 @@ def admission_entries(tbe: TableTBE, base: str, pg) -> dict[str, ShardedTensor]:
     return {base + name: rank_blocks(block, pg) for name, block in live_state(tbe).items()}
 
 
+def placement(r: int, rank: int, device: torch.device) -> str:
+    """Shard placement of rank ``r`` seen from ``rank``, whose local tensors are on ``device``:
+    the local one names that device exactly (``cuda:0``; ShardedTensor checks it), another
+    rank's only its type (its index is that rank's own; nothing checks it)."""
+    return f"rank:{r}/{device if r == rank else device.type}"
+
+
 def rank_blocks(local: torch.Tensor, pg) -> ShardedTensor:
     """Every rank's ``local`` ``[k, ...]`` (the same shape on all) stacked in rank order."""
     world = dist.get_world_size(pg) if dist.is_initialized() else 1
     rank = dist.get_rank(pg) if dist.is_initialized() else 0
     k, rest = local.shape[0], list(local.shape[1:])
-    shards = [ShardMetadata([r * k] + [0] * len(rest), [k, *rest], f"rank:{r}/{local.device.type}")
+    shards = [ShardMetadata([r * k] + [0] * len(rest), [k, *rest], placement(r, rank, local.device))
               for r in range(world)]
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         [Shard(local, shards[rank])],

@@ -38,7 +38,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from torchrec_kvzch.table.tbe import TableTBE
-from torchrec_kvzch.torchrec.admission_state import admission_entries
+from torchrec_kvzch.torchrec.admission_state import admission_entries, placement
 from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.table.layout import RowPart, meta_timestamp, meta_used
 from torchrec_kvzch.table.snapshot import RowSnapshot
@@ -193,7 +193,7 @@ def rows_sharded_tensor(view: KVTensor, rows_per_rank: list[int], pg) -> Sharded
     for r, n in enumerate(rows_per_rank):
         for start in range(0, max(n, 1), chunk):
             length = min(chunk, n - start)
-            md = ShardMetadata([offset + start, 0], [length, width], f"rank:{r}/{view.store.device.type}")
+            md = ShardMetadata([offset + start, 0], [length, width], placement(r, rank, view.store.device))
             shards.append(md)
             if r == rank:
                 local.append(Shard(_chunk(view, start, length), md))
@@ -219,7 +219,7 @@ def bucket_sharded_tensor(snap: TableSnapshot, values: torch.Tensor, pg) -> Shar
     shards = []
     for r in range(world):
         b = params.bucket_range(r, world)
-        shards.append(ShardMetadata([b.start, 0], [b.num_buckets, width], f"rank:{r}/{snap.store.device.type}"))
+        shards.append(ShardMetadata([b.start, 0], [b.num_buckets, width], placement(r, rank, values.device)))
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         [Shard(values, shards[rank])],
         ShardedTensorMetadata(shards, torch.Size([params.total_num_buckets, width]),

@@ -1,0 +1,57 @@
+"""The fused updates a row store has been told of and that have not started yet.
+
+fbgemm's TBE writes each training batch's update into the store's arrays during backward, at
+the slots its forward looked up; until then no row may move (``RowStore`` refuses to evict or
+grow) and a frozen snapshot copies those rows aside first. Usually one is pending at a time;
+TorchRec's semi-sync pipeline looks the next batch up before this one's backward, so two are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PendingUpdate:
+    """One announced update: the ``slots`` it will write and the ``clock`` of its forward (the
+    stamp its rows carry)."""
+
+    __slots__ = ("slots", "clock")
+
+    def __init__(self, slots: torch.Tensor, clock: int) -> None:
+        self.slots, self.clock = slots, clock
+
+
+class PendingUpdates:
+    def __init__(self) -> None:
+        self._updates: list[PendingUpdate] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._updates)
+
+    def add(self, slots: torch.Tensor, clock: int) -> PendingUpdate:
+        update = PendingUpdate(slots, clock)
+        self._updates.append(update)
+        return update
+
+    def started(self, update: PendingUpdate | None) -> None:
+        """``update`` is under way (or will never be); None: every one."""
+        self._updates = [u for u in self._updates if update is not None and u is not update]
+
+    def slots(self) -> torch.Tensor | None:
+        """The slots of every pending update (repeats possible), or None."""
+        if not self._updates:
+            return None
+        return self._updates[0].slots if len(self._updates) == 1 else torch.cat([u.slots for u in self._updates])
+
+    def oldest_clock(self) -> int | None:
+        return min(u.clock for u in self._updates) if self._updates else None
+
+    def refused(self, table: str, what: str) -> RuntimeError:
+        """The error for a change that would move rows under a pending update."""
+        fix = ("reserve the rows up front (expected_rows in the table's KV-ZCH parameters, or "
+               "RowStore.reserve)" if what.startswith("grow") else "train tables with eviction")
+        return RuntimeError(
+            f"KV-ZCH table '{table}': a forward before the backward of the one before it (as "
+            f"TorchRec's TrainPipelineSemiSync does) would have to {what} while that backward's "
+            f"fused update is pending, which would then write the wrong rows; {fix}, or run "
+            "backward between forwards (a plain loop, or TrainPipelineSparseDist)")

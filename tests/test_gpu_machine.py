@@ -1,0 +1,60 @@
+"""The GPU machines' offline kit (tools/gpu): setup.sh unpacks the repacked fbgemm-gpu whether
+make_kit.sh wrote it as one archive or split it into parts."""
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
+from pack_fbgemm import split  # noqa: E402
+
+
+@pytest.mark.parametrize("part_mib", [60, 1])
+def test_setup_unpacks_the_kit_in_one_archive_or_in_parts(tmp_path, part_mib):
+    kit, site = tmp_path / "kit", tmp_path / "site"
+    kit.mkdir()
+    payload = os.urandom(5 << 19)  # 2.5 MiB that xz cannot shrink: three parts of 1 MiB
+    archive = kit / "fb160.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        for name, data in (("kitprobe/__init__.py", b"VALUE = 42\n"), ("kitprobe/blob.bin", payload)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    split(str(archive), str(kit / "fb160"), part_mib)
+    parts = sorted(p.name for p in kit.iterdir())
+    assert parts == (["fb160.tar.xz"] if part_mib == 60 else ["fb160.part.00", "fb160.part.01", "fb160.part.02"])
+
+    env = dict(os.environ, KVZCH_KIT=str(kit), KVZCH_SITE=str(site), PYTHON=sys.executable)
+    script = '. tools/gpu/setup.sh && "$PYTHON" -c "import kitprobe; print(kitprobe.VALUE)"'
+    done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "42"
+    assert (site / "kitprobe" / "blob.bin").read_bytes() == payload
+
+
+def test_setup_names_a_kit_without_the_archive(tmp_path):
+    env = dict(os.environ, KVZCH_KIT=str(tmp_path), KVZCH_SITE=str(tmp_path / "site"), PYTHON=sys.executable)
+    done = subprocess.run(["bash", "-c", ". tools/gpu/setup.sh"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0 and "make gpu-kit" in done.stderr and str(tmp_path) in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine where torch sees no GPU")
+def test_the_cuda_tests_fail_on_a_gpu_machine_where_torch_sees_no_gpu():
+    """Skipped on a machine without a GPU; with KVZCH_REQUIRE_CUDA=1 (a GPU machine) an error."""
+    def pytest_run(**env):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+                              cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+
+    skipped = pytest_run(KVZCH_REQUIRE_CUDA="0")
+    assert skipped.returncode == 0 and "skipped" in skipped.stdout and "passed" not in skipped.stdout
+    if not os.path.exists("/dev/nvidiactl"):
+        refused = pytest_run(KVZCH_REQUIRE_CUDA="1")
+        assert refused.returncode != 0 and "sees no CUDA device" in refused.stdout, refused.stdout

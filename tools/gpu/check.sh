@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The GPU run, in one go (docs/gpu.md): from the checkout's root on a GPU machine, with the kit
+# in .gpu/ (make gpu-kit):   tools/gpu/check.sh OUT
+#   1. the GPU's name, the kit's setup                          -> OUT/gpu.log (everything)
+#   2. the CUDA kernel tests (stops here if they fail), the rest -> OUT/kernel.xml, OUT/cuda.xml
+#   3. benchmarks/bench_gpu.py against fbgemm's CUDA TBE         -> OUT/gpu.json, OUT/gpu.png
+#   4. the job under torchrun with NCCL: train, checkpoint, resume on the GPU and on 2 CPU
+#      processes, predictions compared                          -> OUT/job.json
+#   5. bench_gpu.py --dmp under torchrun                         -> OUT/gpu_dmp.json
+#   6. TorchRec's pipelines against a plain loop                 -> OUT/pipelines.xml
+# Each stage has a time budget, all together KVZCH_CHECK_BUDGET_S (default 500 s, so that a
+# rerun fits a 15-minute lease); a stage that would start past it is skipped and said so.
+# KVZCH_CHECK_REHEARSE=1 runs it all on the CPU (small tables, gloo for NCCL) to check this
+# script before GPU minutes are spent on it; that checks the plumbing, not CUDA.
+set -uo pipefail
+out=${1:?usage: tools/gpu/check.sh OUT}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+exec > >(tee -a "$out/gpu.log") 2>&1
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::FutureWarning,ignore::DeprecationWarning
+budget=${KVZCH_CHECK_BUDGET_S:-500}
+work=$(mktemp -d)
+failed=()
+
+if [ "${KVZCH_CHECK_REHEARSE:-0}" = 1 ]; then
+  dev=cpu; py=${PYTHON:-python3}
+  export KVZCH_CUDA_TEST_DEVICE=cpu PYTHONPATH="$PWD/plugin${PYTHONPATH:+:$PYTHONPATH}"
+  bench=(--device cpu --rows 20000 40000 --batches 2048 512 --steps 5 --warmup 1)
+  dmp=(--device cpu --batch 4096 --steps 5)
+else
+  dev=cuda; py=python3
+  export KVZCH_REQUIRE_CUDA=1
+  bench=(); dmp=()
+fi
+
+# stage NAME SECONDS CMD...: runs CMD under what is left of its budget and of the total.
+stage() {
+  local name=$1 want=$2; shift 2
+  local left=$((budget - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    echo "== $name: skipped, ${SECONDS}s of ${budget}s spent"; failed+=("$name (skipped)"); return 1
+  fi
+  [ "$want" -lt "$left" ] || want=$left
+  echo "== $name (at ${SECONDS}s, up to ${want}s)"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$want" "$@"
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0))s"
+  [ "$rc" = 0 ] || failed+=("$name (exit $rc)")
+  return "$rc"
+}
+
+finish() {
+  echo "== done in ${SECONDS}s; failed: ${failed[*]:-none}"
+  rm -rf "$work"
+  exit $((${#failed[@]} > 0))
+}
+
+echo "== GPU check $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo '+changes')"
+if [ "$dev" = cuda ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || { failed+=(nvidia-smi); finish; }
+  KVZCH_KIT=$PWD/.gpu . tools/gpu/setup.sh || { failed+=(setup); finish; }
+fi
+
+pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts=-ra)
+stage "kernel tests" 150 "${pytest[@]}" tests/test_cuda.py -k kernel --junitxml="$out/kernel.xml" || finish
+stage "CUDA tests" 200 "${pytest[@]}" tests/test_cuda.py -k "not kernel" --junitxml="$out/cuda.xml"
+stage "benchmark" 170 "$py" benchmarks/bench_gpu.py "${bench[@]}" --json "$out/gpu.json" --plot "$out/gpu.png"
+
+job() {  # train 40 steps with checkpoints, resume from step 40 on this device and on 2 CPU ranks
+  local common=(--config quickstart --global-batch-size 2048 --checkpoint-every 20 --log-every 10)
+  "$py" -m torch.distributed.run --standalone --nproc_per_node 1 -m torchrec_kvzch.job.train "${common[@]}" --device "$dev" \
+    --steps 40 --run-dir "$work/job" --summary "$work/trained.json" || return 1
+  cp -r "$work/job" "$work/job_cpu"
+  "$py" -m torch.distributed.run --standalone --nproc_per_node 1 -m torchrec_kvzch.job.train "${common[@]}" --device "$dev" \
+    --steps 50 --run-dir "$work/job" --summary "$work/resumed.json" || return 1
+  "$py" -m torchrec_kvzch.job.train "${common[@]}" --device cpu --nproc 2 --steps 50 \
+    --run-dir "$work/job_cpu" --summary "$work/resumed_cpu.json" || return 1
+  "$py" tools/gpu/compare_job.py "$work" "$out/job.json"
+}
+export -f job; export dev py work out
+stage "job" 150 bash -c job
+stage "DMP benchmark" 90 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/bench_gpu.py --dmp "${dmp[@]}" \
+  --json "$out/gpu_dmp.json"
+stage "pipelines" 150 "${pytest[@]}" tests/test_pipelines.py -k "cuda or semi_sync_pipeline" \
+  --junitxml="$out/pipelines.xml"
+finish

@@ -1,0 +1,99 @@
+"""docs/gpu.md's figures from one GPU run of ``tools/gpu/check.sh``, never retyped.
+
+    python tools/gpu/report.py RUN      # RUN: the folder check.sh wrote (its OUT)
+
+Copies the run's ``gpu.json``, ``gpu.png``, ``gpu_dmp.json`` and ``job.json`` (as ``gpu_job.json``)
+into ``docs/benchmarks/``, writes ``docs/benchmarks/gpu_run.json`` (when, which commit, on which
+GPU, and the tests each JUnit file counted) and rewrites the table between the ``gpu:table``
+markers of ``docs/gpu.md`` from those files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "benchmarks"
+PAGE = ROOT / "docs" / "gpu.md"
+MARKERS = ("<!-- gpu:table:start -->", "<!-- gpu:table:end -->")
+COPIES = {"gpu.json": "gpu.json", "gpu.png": "gpu.png", "gpu_dmp.json": "gpu_dmp.json", "job.json": "gpu_job.json"}
+TARGET, TARGET_BATCH = 0.7, 65_536
+
+
+def tests(run: Path) -> dict:
+    """Per JUnit file: tests, failures, errors, skipped."""
+    out = {}
+    for path in sorted(run.glob("*.xml")):
+        suite = ET.parse(path).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        out[path.stem] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    return out
+
+
+def run_record(run: Path) -> dict:
+    first = (run / "gpu.log").read_text().splitlines()[0]  # "== GPU check <date>, <commit>"
+    date, commit = re.match(r"== GPU check (\S+), (\S+)", first).groups()
+    bench = json.loads((run / "gpu.json").read_text())
+    return {"date": date, "commit": commit, "device": bench["device"], "tests": tests(run)}
+
+
+def table(record: dict, bench: dict, dmp: dict, job: dict) -> str:
+    versions = ", ".join(f"{k} {bench[k]}" for k in ("torch", "cuda", "fbgemm_gpu", "torchrec"))
+    lines = [f"One run of `tools/gpu/check.sh`, {record['date']}, commit {record['commit']}, on one "
+             f"{record['device']} ({versions}); id map backend `{bench['map_backend']}`.", "",
+             "| tests | passed | failed |", "|---|---|---|"]
+    for name, t in record["tests"].items():
+        lines.append(f"| {name} | {t['tests'] - t['failures'] - t['errors'] - t['skipped']} of {t['tests']} "
+                     f"| {t['failures'] + t['errors']} |")
+    lines += ["", f"Training step against fbgemm's CUDA TBE ({bench['dim']} fp32, pooling {bench['pooling']}; "
+              f"target: `ratio_*_b{TARGET_BATCH}_*` >= {TARGET}):", "",
+              "| case | ours ms | TBE ms | ratio | find_or_insert + touch ms | find ms |", "|---|---|---|---|---|---|"]
+    for key in (k for k in bench if k.startswith("ratio_")):
+        case = key[len("ratio_"):]
+        short = bench[key] < TARGET and f"_b{TARGET_BATCH}_" in key
+        lines.append(f"| `{case}` | {bench[f'ours_ms_{case}']:.2f} | {bench[f'tbe_ms_{case}']:.2f} | "
+                     f"{'**' if short else ''}{bench[key]:.3f}{'**' if short else ''} | "
+                     f"{bench[f'map_ms_{case}']:.2f} | {_ms(bench.get(f'find_ms_{case}'))} |")
+    lines += ["", f"Id map on the GPU at load factor {bench['map_load_factor']:.2f} ({bench['map_keys']:,} keys): "
+              f"`find` {bench['find_keys_per_s'] / 1e9:.2f} G keys/s, `find_or_insert` (20% new) "
+              f"{bench['find_or_insert_keys_per_s'] / 1e9:.2f} G keys/s.", "",
+              f"DMP on {dmp['ranks_dmp']} rank (global batch {dmp['global_batch_dmp']:,}): ours "
+              f"{dmp['ours_ms_dmp']:.2f} ms, a FUSED table {dmp['tbe_ms_dmp']:.2f} ms, `ratio_dmp` {dmp['ratio_dmp']:.3f}.", "",
+              f"The job (`quickstart`, NCCL): {job['trained_steps']} steps with a checkpoint at "
+              f"{job['checkpoint_step']}; predictions after resuming from it "]
+    resumes = [f"on the GPU {'equal' if r['equal'] else 'NOT equal'} (largest difference {r['probe_max_abs_diff']:.2g})"
+               if name == "resumed" else
+               f"on {r['world_size']} CPU processes {'equal' if r['equal'] else 'NOT equal'} (largest difference "
+               f"{r['probe_max_abs_diff']:.2g}, tolerance {r['tolerance']:g})" for name, r in
+               ((n, job[n]) for n in ("resumed", "resumed_cpu"))]
+    lines[-1] += " and ".join(resumes) + "."
+    return "\n".join(lines)
+
+
+def _ms(value) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def main() -> int:
+    run = Path(sys.argv[1])
+    DOCS.mkdir(parents=True, exist_ok=True)
+    for source, target in COPIES.items():
+        shutil.copyfile(run / source, DOCS / target)
+    record = run_record(run)
+    (DOCS / "gpu_run.json").write_text(json.dumps(record, indent=1) + "\n")
+    load = {name: json.loads((DOCS / name).read_text()) for name in ("gpu.json", "gpu_dmp.json", "gpu_job.json")}
+    text = table(record, load["gpu.json"], load["gpu_dmp.json"], load["gpu_job.json"])
+    page = PAGE.read_text()
+    start, end = (page.index(m) for m in MARKERS)
+    PAGE.write_text(page[: start + len(MARKERS[0])] + "\n" + text + "\n" + page[end:])
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

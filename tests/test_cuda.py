@@ -58,6 +58,8 @@ def test_kernel_on_cuda_trains_like_the_kernel_on_cpu(optimizer, pooling, dtype)
     for part in parts:
         torch.testing.assert_close(ours.store.read_ids(seen.to(CUDA), part).cpu(),
                                    ref.store.read_ids(seen, part), **tol)
+    # Headers (timestamp, count of occurrences, used bit): the GPU kernels' touch, bit for bit.
+    assert torch.equal(ours.store.read_ids(seen.to(CUDA), RowPart.META).cpu(), ref.store.read_ids(seen, RowPart.META))
     with torch.no_grad():  # evaluation reads the same rows
         torch.testing.assert_close(ours.eval()(ids.to(CUDA), offsets.to(CUDA)).cpu(),
                                    ref.eval()(ids, offsets), **tol)

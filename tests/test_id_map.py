@@ -1,15 +1,11 @@
 """The id map: native op, torch twin and GPU kernels agree with a plain-Python model on any
-operation sequence. Without a GPU, Triton's interpreter runs the kernels on the CPU."""
+operation sequence. Without a GPU, Triton's interpreter runs the kernels on the CPU (conftest.py)."""
 
 import contextlib
 import importlib.util
-import os
 
 import pytest
 import torch
-
-if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels' module is first imported
 from hypothesis import given, strategies as st
 
 from torchrec_kvzch.table import id_map, layout, native

@@ -9,9 +9,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from torchrec_kvzch.table import id_map, layout, native
-from torchrec_kvzch.table.id_map import (
-    BUCKET, MAX_LOAD, MIN_CAPACITY, IdMap, IdOutOfRange, TorchBackend, home, native_status,
-)
+from torchrec_kvzch.table.hashing import BUCKET, MAX_LOAD, MIN_CAPACITY, home
+from torchrec_kvzch.table.id_map import IdMap, IdOutOfRange, TorchBackend, native_status
 
 BACKENDS = ["native", "torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
 

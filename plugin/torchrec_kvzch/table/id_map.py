@@ -2,19 +2,20 @@
 
 Open addressing with linear probing over a power-of-two table kept at load <= 0.7. The state is
 two tensors: ``table`` ``[capacity, 2]`` int64 (id or a sentinel, slot) pairs - a hit reads one
-cache line - and ``slot_keys``, each slot's id. Two interchangeable backends implement the
-backends that run the operations touching it (``probe``, ``lookup``, ``find_or_insert``):
+cache line - and ``slot_keys``, each slot's id. Interchangeable backends run the operations
+touching it (``probe``, ``lookup``, ``find_or_insert``), and the header touch of the rows a
+training lookup returns (``touch``):
 
 * ``NativeBackend``: the C++ op in ``csrc/id_map_ops.cpp``: a parallel prefetching lookup, and a
   find_or_insert that reads each id's entry once, in parallel, one table region per thread
   (after a lookup of every id when the last batch had few new ids, so that a batch of known ids
   costs a lookup). The default on CPU.
-* ``TorchBackend``: the same semantics in vectorised torch ops. The fallback when the native
-  op is not built, and the path for non-CPU devices.
+* ``TorchBackend``: the same semantics in vectorised torch ops; the fallback.
+* ``TritonBackend``: the torch twin with its rounds done by GPU kernels. The default on CUDA.
 
-Both use the same hash and sentinels, so a table built by one can be read by the other, and
-the tests check they agree on every operation sequence (which free entry a new id lands in may
-differ; its slot may not). Erase, compaction and rehash are written once, on top of the backend.
+All use the same hash and sentinels (``hashing.py``), so a table built by one can be read by
+another, and the tests check they agree on every operation sequence (which free entry a new id
+lands in may differ; its slot may not). Erase, compaction and rehash are written once, on top.
 
 A lookup checks the ids against the caller's bounds before it changes anything
 (``IdOutOfRange``). ``find_or_insert`` runs in one pass when the table has room for the whole
@@ -34,13 +35,12 @@ from typing import Protocol
 
 import torch
 
-from torchrec_kvzch.table.hashing import BUCKET, EMPTY, TOMB, home
+from torchrec_kvzch.table.hashing import BUCKET, EMPTY, MAX_LOAD, MIN_CAPACITY, TOMB, capacity_for, home
+from torchrec_kvzch.table.layout import touch_meta
 from torchrec_kvzch.table.native import NATIVE_WHY, empty_large, native_status, release_rows
 
 logger = logging.getLogger(__name__)
 
-MAX_LOAD = 0.7
-MIN_CAPACITY = 1024
 MAX_SLOTS = 2**31 - 1  # rows per table shard
 # find_or_insert looks every id up before inserting when the last batch had fewer new ids than
 # this fraction (then the insert pass runs over the absent ids only). A/B of the op, 163,840 ids,
@@ -49,25 +49,6 @@ MAX_SLOTS = 2**31 - 1  # rows per table shard
 # 3.0 ms with only new ids), where most probes are walked twice.
 LOOKUP_FIRST_BELOW = 0.25
 ANY_ID = (0, 2**63 - 1)  # the bounds of a lookup that only refuses negative ids
-
-def capacity_for(n: int) -> int:
-    """Smallest power-of-two table holding n keys at load <= MAX_LOAD."""
-    capacity = MIN_CAPACITY
-    while n > MAX_LOAD * capacity:
-        capacity *= 2
-    return capacity
-
-
-def table_bytes(n: int) -> int:
-    """Bytes of the hash table that holds n keys (16-byte entries)."""
-    return capacity_for(n) * 16
-
-
-def map_bytes(n: int, slack: float = 1.0, rehash: bool = False) -> int:
-    """Bytes of a map holding n keys: its hash table, and its slot -> id array with room for
-    ``slack`` times n ids (the array grows geometrically). ``rehash``: at its peak, while a
-    second table is built to drop tombstones."""
-    return table_bytes(n) * (2 if rehash else 1) + int(n * slack) * 8
 
 
 class IdOutOfRange(ValueError):
@@ -90,6 +71,8 @@ class Backend(Protocol):
                        lo: int, hi: int, size: int,
                        lookup_first: bool) -> tuple[torch.Tensor, int, int]: ...
 
+    def touch(self, meta: torch.Tensor, slots: torch.Tensor, clock: int) -> None: ...
+
 
 class TorchBackend:
     """Vectorised torch implementation: probing advances every unresolved id by ``window``
@@ -104,6 +87,9 @@ class TorchBackend:
 
     def __init__(self, window: int = 1) -> None:
         self.window = window
+
+    def touch(self, meta, slots, clock) -> None:
+        touch_meta(meta, slots, clock, native=False)
 
     def probe(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         keys = table[:, 0]
@@ -216,6 +202,9 @@ class NativeBackend:
 
     def find_or_insert(self, table, slot_keys, ids, lo, hi, size, lookup_first):
         return torch.ops.kvzch.find_or_insert(table, slot_keys, ids, lo, hi, size, lookup_first)
+
+    def touch(self, meta, slots, clock) -> None:
+        touch_meta(meta, slots, clock, native=True)
 
 
 def backend_for(backend: str, device: torch.device) -> Backend:

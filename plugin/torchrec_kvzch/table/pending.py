@@ -46,12 +46,18 @@ class PendingUpdates:
     def oldest_clock(self) -> int | None:
         return min(u.clock for u in self._updates) if self._updates else None
 
-    def refused(self, table: str, what: str) -> RuntimeError:
-        """The error for a change that would move rows under a pending update."""
-        fix = ("reserve the rows up front (expected_rows in the table's KV-ZCH parameters, or "
-               "RowStore.reserve)" if what.startswith("grow") else "train tables with eviction")
-        return RuntimeError(
-            f"KV-ZCH table '{table}': a forward before the backward of the one before it (as "
-            f"TorchRec's TrainPipelineSemiSync does) would have to {what} while that backward's "
-            f"fused update is pending, which would then write the wrong rows; {fix}, or run "
-            "backward between forwards (a plain loop, or TrainPipelineSparseDist)")
+    def refuse_growth(self, table: str, capacity: int) -> RuntimeError:
+        return _refusal(table, f"grow the row store past {capacity:,} rows", "reserve the rows up front "
+                        "(expected_rows in the table's KV-ZCH parameters, or RowStore.reserve)")
+
+    def refuse_eviction(self, table: str) -> RuntimeError:
+        return _refusal(table, "evict rows (deletes move rows)", "train tables with eviction")
+
+
+def _refusal(table: str, what: str, fix: str) -> RuntimeError:
+    """The error for a change that would move rows under a pending update."""
+    return RuntimeError(
+        f"KV-ZCH table '{table}': a forward before the backward of the one before it (as "
+        f"TorchRec's TrainPipelineSemiSync does) would have to {what} while that backward's "
+        f"fused update is pending, which would then write the wrong rows; {fix}, or run "
+        "backward between forwards (a plain loop, or TrainPipelineSparseDist)")

@@ -27,9 +27,10 @@ from torchrec_kvzch.table.arrays import RowArrays
 from torchrec_kvzch.table.changes import ChangeLog, ChangeMark
 from torchrec_kvzch.table.eviction import SCRATCH_BYTES_PER_ROW, Evictor, SharedBudget
 from torchrec_kvzch.table.history import EVICTED, INSERTED, BucketHistory
-from torchrec_kvzch.table.id_map import IdMap, IdOutOfRange, as_ids, map_bytes
+from torchrec_kvzch.table.hashing import map_bytes
+from torchrec_kvzch.table.id_map import IdMap, IdOutOfRange, as_ids
 from torchrec_kvzch.table.initializer import fill_uniform_by_id
-from torchrec_kvzch.table.layout import RowLayout, RowPart, make_meta, meta_used, touch_meta
+from torchrec_kvzch.table.layout import RowLayout, RowPart, make_meta, meta_used
 from torchrec_kvzch.table.pending import PendingUpdate, PendingUpdates
 
 _GROWTH = 1.5
@@ -58,7 +59,7 @@ class RowStore:
                                                         params.bucket_size)
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:<current>", as tensors say
         self.id_map = IdMap(backend, self.device)
-        self.native = self.id_map.backend.name == "native"  # same choice for arrays, init, touch
+        self.native = self.id_map.backend.name == "native"  # same choice for arrays and init
         self.clock = 0  # training steps seen; stamped into the headers find_or_insert touches
         self.epoch = 0  # bumped whenever rows change slots (delete, clear): snapshots check it
         self.lock = threading.RLock()
@@ -124,7 +125,7 @@ class RowStore:
         neither eviction (a delete moves rows) nor growth (the update would land in the dropped
         arrays) can happen: refused."""
         if self._pending and len(self) + ids.numel() > self.capacity:
-            raise self._pending.refused(self.params.name, f"grow the row store past {self.capacity:,} rows")
+            raise self._pending.refuse_growth(self.params.name, self.capacity)
         self.clock += 1
         ok = None
         if self.admission is not None:
@@ -168,10 +169,7 @@ class RowStore:
                 self.history.count(INSERTED, self.keys()[old:])
         if touch and slots.numel():
             self._before_change(slots)
-            if self.id_map.backend.name == "triton":  # the GPU kernels' touch, no sort
-                self.id_map.backend.touch(self.meta, slots, self.clock)
-            else:
-                touch_meta(self.meta, slots, self.clock, self.native)
+            self.id_map.backend.touch(self.meta, slots, self.clock)
         return slots
 
     def delete(self, ids: torch.Tensor) -> int:
@@ -196,7 +194,7 @@ class RowStore:
     def evict(self, slots: torch.Tensor) -> None:
         """Delete the rows at ``slots``, counting them as evicted (eviction's way out)."""
         if self._pending:
-            raise self._pending.refused(self.params.name, "evict rows (deletes move rows)")
+            raise self._pending.refuse_eviction(self.params.name)
         ids = self.keys()[slots].clone()
         self.delete(ids)
         self.history.count(EVICTED, ids)

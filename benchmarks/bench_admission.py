@@ -43,7 +43,8 @@ def train(run_dir: Path, admission: str | None, args) -> tuple[dict, list[dict]]
            "--population", str(args.population), "--new-id-fraction", str(args.new_id_fraction),
            "--log-every", "10", "--run-dir", str(run_dir)]
     subprocess.run(cmd + (["--admission", admission] if admission else []), check=True)
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    metrics = [m for m in lines if m["kind"] == "train"]  # (not the evaluations)
     return json.loads((run_dir / "summary.json").read_text()), metrics
 
 

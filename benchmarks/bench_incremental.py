@@ -122,7 +122,8 @@ def job_run(tmp: Path, every: int, saves: int) -> dict:
                     "--steps", str(every * saves), "--checkpoint-every", "0", "--incremental-every", str(every),
                     "--keep", str(saves), "--log-every", str(every), "--run-dir", str(run)], check=True)
     summary = json.loads((run / "summary.json").read_text())
-    live = {m["step"]: sum(m["live_rows"].values()) for m in map(json.loads, (run / "metrics.jsonl").open())}
+    live = {m["step"]: sum(m["live_rows"].values()) for m in map(json.loads, (run / "metrics.jsonl").open())
+            if m["kind"] == "train"}
     chain, sizes = summary["checkpoint_chain"], summary["checkpoint_chain_bytes"]
     assert len(chain) == saves, chain
     fractions = []

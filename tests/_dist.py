@@ -147,9 +147,10 @@ class RankPool:
                 p.kill()
 
 
-def sharded(module, constraints=None, fused_params=None, batch_size=None):
+def sharded(module, constraints=None, fused_params=None, batch_size=None, sharders=None):
     """``module`` planned by ``KVZCHShardingPlanner`` for this process group's WORLD (CPU, gloo)
-    and wrapped in DMP with our sharders: how most multi-rank tests build their model."""
+    and wrapped in DMP with our sharders (``kvzch_sharders(fused_params)`` unless ``sharders``
+    are given): how most multi-rank tests build their model."""
     import torch
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -159,7 +160,7 @@ def sharded(module, constraints=None, fused_params=None, batch_size=None):
     from torchrec_kvzch.torchrec import KVZCHShardingPlanner, kvzch_sharders
 
     world = dist.get_world_size()
-    sharders = kvzch_sharders(fused_params)
+    sharders = sharders or kvzch_sharders(fused_params)
     planner = KVZCHShardingPlanner(Topology(world_size=world, compute_device="cpu", local_world_size=world),
                                    batch_size=batch_size, constraints=constraints)
     plan = planner.collective_plan(module, sharders, dist.group.WORLD)

@@ -152,12 +152,15 @@ def test_a_checkpoint_saved_on_two_cpu_ranks_loads_on_cuda_bit_for_bit():
 # -- the training job ----------------------------------------------------------------------------
 def test_the_job_trains_and_logs_on_a_cuda_rank(tmp_path):
     """The job's own reductions (step totals, counters) are CPU tensors: its default group
-    pairs gloo with NCCL for them. Three steps, a log line and a checkpoint each."""
+    pairs gloo with NCCL for them. Three steps, a log line and a checkpoint each, evaluations at
+    steps 2 and 3."""
     from torchrec_kvzch.job.train import main
 
     run = tmp_path / "run"
     assert main(["--config", "quickstart", "--nproc", "1", "--device", CUDA.type, "--steps", "3",
                  "--global-batch-size", "256", "--log-every", "1", "--checkpoint-every", "1",
-                 "--run-dir", str(run)]) == 0
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+                 "--eval-every", "2", "--run-dir", str(run)]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if m["kind"] == "train"] == [1, 2, 3]
+    assert [m["step"] for m in lines if m["kind"] == "eval"] == [2, 3]  # held-out AUC from a CUDA model
     assert json.loads((run / "summary.json").read_text())["checkpoint_step"] == 3

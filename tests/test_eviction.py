@@ -313,17 +313,13 @@ def test_eviction_is_configured_in_yaml():
 
 
 def _train_evict_save_load(rank, world_size, path):
-    import torch.distributed as dist
+    from _dist import sharded
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import Topology
-    from torchrec.distributed.types import ShardingEnv
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from torchrec_kvzch.checkpoint.manager import CheckpointManager
-    from torchrec_kvzch.torchrec import (KVZCHConstraints, KVZCHShardingPlanner, kvzch_embedding_bag_config,
-                                         kvzch_sharders, kvzch_tables)
+    from torchrec_kvzch.torchrec import KVZCHConstraints, kvzch_embedding_bag_config, kvzch_sharders, kvzch_tables
 
     tables = [KVZCHTableParams("lru", 8, num_embeddings=2**36, total_num_buckets=8, learning_rate=0.1,
                                enable_optimizer_offloading=True, backend_return_whole_row=True,
@@ -337,13 +333,10 @@ def _train_evict_save_load(rank, world_size, path):
     def build():
         ebc = EmbeddingBagCollection(tables=[kvzch_embedding_bag_config(t, [f"f_{t.name}"]) for t in tables],
                                      device=torch.device("meta"))
-        planner = KVZCHShardingPlanner(Topology(world_size=world_size, compute_device="cpu"), batch_size=64,
-                                       constraints={t.name: KVZCHConstraints(kvzch=t) for t in tables})
         sharders = kvzch_sharders({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1},
                                   rank_budget=RankBudget(max_rows=900))
-        plan = planner.collective_plan(ebc, sharders, dist.group.WORLD)
-        return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=sharders,
-                                        env=ShardingEnv.from_process_group(dist.group.WORLD)), sharders
+        return sharded(ebc, {t.name: KVZCHConstraints(kvzch=t) for t in tables}, batch_size=64,
+                       sharders=sharders), sharders
 
     model, sharders = build()
     gen = torch.Generator().manual_seed(rank)

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from test_resume import _damage, _history_totals, build, same, snapshot, state_of, train_step
 from torchrec_kvzch import AdmissionPolicy
 from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
-from torchrec_kvzch.checkpoint.manager import CheckpointManager
+from torchrec_kvzch.checkpoint.manager import CheckpointError, CheckpointManager
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_kvzch.table.layout import meta_count
 from torchrec_kvzch.torchrec import kvzch_tables
@@ -54,7 +54,7 @@ def restore(rank, world, kind, root, dense_lr, step=None, admission=None):
     state = state_of(model, dense)
     try:
         CheckpointManager(root, process_group=pg, full_every=4).load(state, step)
-    except (CheckpointException, FileNotFoundError, ValueError) as e:
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
         return str(e), same(before, snapshot(model, dense, pg)) == []
     model.load_state_dict(state["model"])
     model.fused_optimizer.load_state_dict(state["optim"])

@@ -4,11 +4,12 @@ checkpoint as the latest complete one."""
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 
-from torchrec_kvzch.checkpoint.manager import CheckpointManager
+from torchrec_kvzch.checkpoint.manager import CheckpointError, CheckpointManager
 
 
 def state(value: float) -> dict:
@@ -50,7 +51,7 @@ def test_a_save_killed_before_it_completes_leaves_the_previous_checkpoint(tmp_pa
     script = textwrap.dedent(f"""
         import os, torch
         from torch.distributed.checkpoint import FileSystemWriter
-        from torchrec_kvzch.checkpoint.manager import CheckpointManager
+        from torchrec_kvzch.checkpoint.manager import CheckpointError, CheckpointManager
         FileSystemWriter.finish = lambda self, metadata, results: os._exit(3)
         CheckpointManager({str(tmp_path)!r}).save({{"w": torch.full((1000,), 2.0), "step": torch.tensor(2)}}, 2)
     """)
@@ -72,3 +73,33 @@ def test_bad_arguments_name_the_fix(tmp_path):
         CheckpointManager(tmp_path, full_every=0)
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         CheckpointManager(tmp_path).load(state(0.0), 7)
+
+
+def test_a_missing_root_is_said_and_changes_nothing(tmp_path):
+    """A mistyped path must not pass for a first run in silence: the load names it."""
+    typo = tmp_path / "chekpoints"
+    into = state(-1.0)
+    with pytest.warns(UserWarning, match=f"{typo} does not exist, so nothing was loaded"):
+        assert CheckpointManager(typo).load(into) is None
+    assert torch.equal(into["w"], torch.full((1000,), -1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a root that exists and is empty: a first run, quietly
+        assert CheckpointManager(tmp_path).load(into) is None
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        CheckpointManager(typo).load(into, 3)  # a step asked for by name must exist
+
+
+def test_a_failed_load_raises_an_exception_whose_first_line_is_the_cause(tmp_path):
+    """DCP's CheckpointException is a BaseException that begins with a traceback; the manager
+    raises CheckpointError, an Exception that begins with the failing rank's message."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(state(1.0), 1)
+    into = {"w": torch.zeros(10), "step": torch.tensor(0)}
+    with pytest.raises(Exception) as caught:  # `except Exception` catches it
+        manager.load(into)
+    error = caught.value
+    assert isinstance(error, CheckpointError) and set(error.failures) == {0}
+    first, second = str(error).splitlines()[:2]
+    assert first.startswith("ValueError: Size mismatch") and "for w" in first
+    assert second == f"(load of {manager.path(1)} failed on rank 0)"
+    assert torch.equal(into["w"], torch.zeros(10))

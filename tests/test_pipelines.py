@@ -19,7 +19,7 @@ from _cuda import BACKEND, DEVICE, requires_cuda
 from _dist import run_ranks
 from torchrec_kvzch.job import config_path
 from torchrec_kvzch.job.data import SyntheticClickLog
-from torchrec_kvzch.job.train import build_model
+from torchrec_kvzch.job.model import build_model
 from torchrec_kvzch.torchrec import kvzch_tables
 from torchrec_kvzch.torchrec.config import load_config
 
@@ -29,7 +29,7 @@ STEPS, GLOBAL_BATCH = 8, 512
 def _model(device: torch.device, world_size: int):
     config = load_config(config_path("quickstart"))
     torch.manual_seed(0)  # the same dense initialisation in every run
-    model, optimizer, _ = build_model(config, device, GLOBAL_BATCH // world_size, dense_lr=0.05)
+    model, optimizer, _, _ = build_model(config, device, GLOBAL_BATCH // world_size, dense_lr=0.05)
     return config, model, optimizer
 
 

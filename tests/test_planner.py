@@ -181,3 +181,47 @@ def test_storage_counts_the_admission_sketch_of_each_shard():
                     if o.name == "user" and o.compute_kernel == KVZCH_KERNEL][:1]
         storage.append([s.storage.ddr for s in option.shards])
     assert [b - a for a, b in zip(*storage)] == [2**18 * 4] * 3  # one byte a counter, per shard
+
+
+def plan_failures(rank, world_size):
+    """What each rank raises when planning fails: too few buckets (declared the TorchRec way
+    and with KVZCHConstraints), then a plan that does not fit. The ranks stay usable after
+    each: no rank is left waiting in a collective."""
+    one_bucket = EmbeddingBagConfig(name="user", embedding_dim=8, num_embeddings=2**20, feature_names=["f"],
+                                    use_virtual_table=True, total_num_buckets=1)
+    kv = KVZCHTableParams("user", 8, num_embeddings=2**20, total_num_buckets=1)
+    too_big = tables(expected_rows=3_000_000_000)
+    cases = [
+        (EmbeddingBagCollection(tables=[one_bucket], device=torch.device("meta")), None, {}),
+        (model([kv]), opt_in([kv]), {}),
+        (model(too_big), opt_in(too_big), {"ddr_cap": 64 * 2**30}),
+    ]
+    errors = []
+    for module, constraints, caps in cases:
+        topology = Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size, **caps)
+        planner = KVZCHShardingPlanner(topology, batch_size=64, constraints=constraints)
+        try:
+            planner.collective_plan(module, kvzch_sharders(), dist.group.WORLD)
+            errors.append(None)
+        except Exception as error:  # noqa: BLE001 - the test compares them
+            errors.append((type(error).__name__, str(error).splitlines()[0]))
+    dist.barrier()  # still connected
+    return errors
+
+
+def test_every_rank_raises_the_same_planning_error():
+    # Before: rank 0 raised TorchRec's "Number of buckets (1) must be >= the number of ranks (2)"
+    # (no table name) and rank 1 died on gloo's "Connection closed by peer".
+    by_rank = run_ranks(2, plan_failures)
+    assert by_rank[0] == by_rank[1]
+    few_buckets = ("ValueError", "KV-ZCH table 'user': total_num_buckets (1) is smaller than the world size (2), "
+                   "so some ranks would own no bucket; fix: use at least 2 buckets (a multiple of the world "
+                   "size is best)")
+    assert by_rank[0][:2] == [few_buckets, few_buckets]
+    assert by_rank[0][2][0] == "PlannerError"
+
+
+def test_a_plan_on_one_process_checks_the_buckets_too():
+    kv = KVZCHTableParams("user", 8, num_embeddings=2**20, total_num_buckets=2)
+    with pytest.raises(ValueError, match=r"KV-ZCH table 'user': total_num_buckets \(2\) is smaller than the world size \(3\)"):
+        plan_for([kv])

@@ -49,3 +49,15 @@ def test_the_old_job_entry_point_still_runs():
                           "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "--config" in run.stdout
     assert "torchrec_kvzch.train is deprecated" in run.stderr
+
+
+def test_the_version_is_the_installed_one_and_the_changelog_names_it():
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+    try:
+        installed = version("torchrec-kvzch")
+    except PackageNotFoundError:
+        pytest.skip("torchrec-kvzch is not installed as a package here")
+    assert torchrec_kvzch.__version__ == installed
+    changelog = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
+    assert f"## {installed}" in changelog

@@ -5,6 +5,7 @@ import importlib.metadata
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from torchrec_kvzch.torchrec.config import load_config
 from torchrec_kvzch.job.data import CriteoClickLog, SyntheticClickLog
 from torchrec_kvzch.job import config_path
 from torchrec_kvzch.job.cli import check_args, parse_args
+from torchrec_kvzch.job.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(config_path("quickstart"))
@@ -40,8 +42,10 @@ def steps_on_disk(run_dir):
     return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
 
 
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def metrics(run_dir, kind="train"):
+    """The run directory's metrics lines of one kind: "train" (log steps) or "eval"."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if m["kind"] == kind]
 
 
 def test_train_checkpoint_resume_on_fewer_ranks_continues_exactly(tmp_path):
@@ -68,13 +72,84 @@ def test_train_checkpoint_resume_on_fewer_ranks_continues_exactly(tmp_path):
     for step, loss in straight_curve.items():
         assert resumed_curve[step] == pytest.approx(loss, rel=1e-4), step
     assert straight_curve[12] < straight_curve[2]  # the signal is learnable
-    # A config whose tables no longer match the checkpoint is refused, naming the table.
+    # A config whose tables no longer match the checkpoint is refused, naming the table, once,
+    # without tracebacks (kept in the run directory) and without advice to rerun.
     narrow = tmp_path / "narrow.yaml"
     narrow.write_text(Path(QUICKSTART).read_text().replace("embedding_dim: 32", "embedding_dim: 16"))
-    done, _ = train(tmp_path / "run", "--config", narrow, "--steps", 14, nproc=1, summary="narrow.json", check=False)
+    done, _ = train(tmp_path / "run", "--config", narrow, "--steps", 14, summary="narrow.json", check=False)
     assert done.returncode == 1, done.stderr[-3000:]
-    assert "training failed (rank 0: exit code 1: ValueError:" in done.stderr
-    assert "KV-ZCH table 'item' was saved with embedding_dim 32 (fp32), this model has 16" in done.stderr
+    report = done.stderr[done.stderr.index("training failed"):]
+    assert report.startswith("training failed on ranks 0, 1: CheckpointError: ValueError: ")
+    assert "KV-ZCH table 'item' was saved with embedding_dim 32 (fp32), this model has 16" in report
+    assert report.count("was saved with embedding_dim") == 1 and "rerun" not in report
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) < 10, done.stderr
+    assert "Traceback" in json.loads((tmp_path / "run" / "failures" / "rank-1.json").read_text())["traceback"]
+
+
+def test_the_pipeline_and_evaluations_change_nothing_the_plain_loop_computes(tmp_path):
+    """The job trains through TorchRec's TrainPipelineSparseDist; a plain loop that also
+    evaluates on the held-out slice every 2 steps computes the same losses and model."""
+    _, piped = train(tmp_path / "piped", "--steps", 8, "--checkpoint-every", 0, "--eval-every", 0)
+    _, plain = train(tmp_path / "plain", "--steps", 8, "--checkpoint-every", 0, "--eval-every", 2,
+                     "--pipeline", "none")
+    assert piped["pipeline"] == "sparse-dist" and plain["pipeline"] == "none"
+    assert plain["loss_curve"] == piped["loss_curve"] and plain["probe_final"] == piped["probe_final"]
+    assert piped["eval"] == [] and [e["step"] for e in plain["eval"]] == [2, 4, 6, 8]
+    assert all(0.5 < e["auc"] < 1 and 0 < e["ne"] < 1.2 and e["examples"] == 512 for e in plain["eval"])
+    assert [m["step"] for m in metrics(tmp_path / "plain", "eval")] == [2, 4, 6, 8]
+
+
+def test_every_run_keeps_its_summary_and_draws_the_run_so_far(tmp_path):
+    run = tmp_path / "run"
+    done, first = train(run, "--steps", 4, "--checkpoint-every", 2, "--eval-every", 2)
+    assert f"no checkpoint under {run / 'checkpoints'}: starting fresh" in done.stdout
+    assert "planned memory per rank" in done.stdout and "trained steps 0 -> 4" in done.stdout
+    assert "trained steps" not in done.stderr  # the plan and summary are on stdout, the bar on stderr
+    done, second = train(run, "--steps", 6, "--eval-every", 2, nproc=1)
+    assert f"resumed from {run / 'checkpoints' / 'step-00000004'}" in done.stdout
+    runs = [json.loads(line) for line in (run / "runs.jsonl").read_text().splitlines()]
+    assert [(r["start_step"], r["end_step"], r["world_size"]) for r in runs] == [(0, 4, 2), (4, 6, 1)]
+    assert runs[0]["probe_final"] == first["probe_final"] == second["probe_after_resume"]
+    for s in (first, second):
+        assert s["versions"]["torchrec_kvzch"] == importlib.metadata.version("torchrec-kvzch")
+        assert s["config_yaml"] == Path(QUICKSTART).read_text()
+        assert [step for step, _ in s["loss_curve"]] == list(range(s["start_step"] + 2, s["end_step"] + 1, 2))
+        assert s["totals"]["inserted"]["user"] > 0 and s["totals"]["evicted"] == {"user": 0, "item": 0}
+    assert second["plot"] == str(run / "metrics.png") and (run / "metrics.png").stat().st_size > 10_000
+
+
+def test_a_dry_run_prints_the_plan_and_memory_per_rank_and_starts_nothing(tmp_path, capsys):
+    assert main(["--config", QUICKSTART, "--nproc", "4", "--dry-run", "--run-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "dram_virtual_table" in out and "rank:3/cpu" in out and "planned memory per rank" in out
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+[0-3]\s+[\d.,]+\s+[\d.,]+$", line)]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"] and all(float(r[1].replace(",", "")) > 0 for r in rows)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_typo_is_one_line_with_a_suggestion(tmp_path, capsys):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(Path(QUICKSTART).read_text().replace("embedding_dim: 32", "embeding_dim: 32"))
+    assert main(["--config", str(typo), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"error: {typo}: table_defaults.embeding_dim: unknown key; did you mean "
+                                        "'embedding_dim'? allowed: embedding_dim, features, kvzch, num_embeddings, "
+                                        "planner, pooling"]
+
+
+def test_admission_counters_come_from_every_table(monkeypatch):
+    """The progress bar and metrics count admission when any table has it, not only the first."""
+    from types import SimpleNamespace
+
+    from torchrec_kvzch.job import model as job_model
+    shard = lambda **c: SimpleNamespace(store=SimpleNamespace(counters={"rows": 1, "inserted": 1, "evicted": 0,  # noqa: E731
+                                                                         "bytes": 8, **c}))
+    monkeypatch.setattr(job_model, "kvzch_tables", lambda model: [("user", shard()),
+                                                                   ("item", shard(admitted=5, rejected=7))])
+    counters = job_model.store_counters(None)
+    assert counters["admitted"] == [0, 5] and counters["rejected"] == [0, 7]
+    monkeypatch.setattr(job_model, "kvzch_tables", lambda model: [("user", shard())])
+    assert "admitted" not in job_model.store_counters(None)
 
 
 def test_admission_through_the_job_saves_its_state_and_resumes_exactly(tmp_path):
@@ -175,7 +250,8 @@ def test_criteo_tsv_gives_every_hash_its_own_row(tmp_path):
     write_criteo_tsv(tsv, 300)
     (tmp_path / "criteo.yaml").write_text(CRITEO_CONFIG)
     run = tmp_path / "run"
-    cmd_args = ["--config", tmp_path / "criteo.yaml", "--criteo", tsv, "--steps", 4, "--global-batch-size", 64]
+    cmd_args = ["--config", tmp_path / "criteo.yaml", "--criteo", tsv, "--eval-every", 0, "--steps", 4,
+                "--global-batch-size", 64]
     _, summary = train(run, *cmd_args)
     assert summary["data"] == "criteo" and summary["end_step"] == 4
     # Steps 0-3 and the probe read the first 256 lines: one row per distinct hash, no collisions.
@@ -263,3 +339,24 @@ def test_console_script_is_installed():
     script = Path(sys.executable).parent / "torchrec-kvzch-train"
     done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "--checkpoint-every" in done.stdout and "--crash-drill" in done.stdout
+
+
+def test_held_out_examples_are_never_trained_on(tmp_path):
+    # Criteo: the last --eval-batches global batches of the files. Column cat_0 numbers the lines.
+    tsv = tmp_path / "day_0.tsv"
+    tsv.write_text("".join("\t".join(["1", *["1"] * 13, format(line, "08x"), *["0"] * 25]) + "\n" for line in range(300)))
+    (tmp_path / "criteo.yaml").write_text(CRITEO_CONFIG)
+    log = CriteoClickLog(load_config(tmp_path / "criteo.yaml"), [str(tsv)], tmp_path / "cache", 64, heldout_batches=1)
+    trained = torch.cat([log.batch(step, r, 2).sparse_features["cat_0"].values() for step in range(20) for r in (0, 1)])
+    held = torch.cat([log.heldout(0, r, 2).sparse_features["cat_0"].values() for r in (0, 1)])
+    assert set(trained.tolist()) == set(range(236)) and held.tolist() == list(range(236, 300))
+    with pytest.raises(ValueError, match="fewer than one global batch .* 4 held out for evaluation"):
+        CriteoClickLog(load_config(tmp_path / "criteo.yaml"), [str(tsv)], tmp_path / "cache", 64, heldout_batches=4)
+    # Synthetic: steps that training never reaches; its never-seen ids are never training's.
+    log = SyntheticClickLog(load_config(QUICKSTART), 512, population=1000, new_id_fraction=0.5)
+    held = log.heldout(1)
+    halves = [log.heldout(1, r, 2) for r in (0, 1)]
+    assert torch.equal(torch.cat([h.labels for h in halves]), held.labels)
+    seen = set(torch.cat([log.batch(s).sparse_features["user_id"].values() for s in range(30)]).tolist())
+    fresh = set(held.sparse_features["user_id"].values().tolist()) - seen
+    assert len(fresh) > 200  # about half of 512 examples draw never-seen ids

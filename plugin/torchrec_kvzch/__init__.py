@@ -3,6 +3,11 @@
 import logging
 from importlib.metadata import PackageNotFoundError, version
 
+try:
+    __version__ = version("torchrec-kvzch")  # setup.cfg's, as installed
+except PackageNotFoundError:  # imported from a source tree on PYTHONPATH (the offline GPU kit)
+    __version__ = "0+unknown"
+
 # The stacks the suite runs on (docs/stacks.md): torch, fbgemm-gpu, torchrec.
 SUPPORTED_STACKS = (("2.13", "1.8", "1.8"), ("2.11", "1.6", "1.6"))
 
@@ -68,6 +73,7 @@ from torchrec_kvzch.torchrec import (  # noqa: E402
 )
 from torchrec_kvzch.torchrec.config import ConfigError, ShardingConfig, load_config  # noqa: E402
 from torchrec_kvzch.checkpoint import (  # noqa: E402
+    CheckpointError,
     CheckpointManager,
     KVZCHAsyncStager,
     KVZCHFileSystemWriter,
@@ -88,7 +94,7 @@ __all__ = [
     "kvzch_embedding_bag_config", "kvzch_embedding_config", "kvzch_sharders", "kvzch_tables",
     "load_config",
     # checkpoints
-    "CheckpointManager", "KVZCHAsyncStager", "KVZCHFileSystemWriter", "KVZCHLoadPlanner",
+    "CheckpointError", "CheckpointManager", "KVZCHAsyncStager", "KVZCHFileSystemWriter", "KVZCHLoadPlanner",
     "KVZCHSavePlanner",
     # the stack
     "SUPPORTED_STACKS", "check_stack", "installed_stack",

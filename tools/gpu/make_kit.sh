@@ -15,8 +15,9 @@ if [ ! -f "$out/fb160.tar.xz" ]; then
   python3 "$here/pack_fbgemm.py" "$tmp"/fbgemm_gpu-1.6.0-*.whl "$out/fb160" --drop-unused
   rm -rf "$tmp"
 fi
+# (torchmetrics and lightning-utilities: the job's held-out AUC and NE come from torchrec.metrics)
 python3 -m pip download -q $platform -d "$out" torchrec==1.6.1 tensordict==0.15.3 pyvers==0.2.3 \
-  crc32c==2.9.post0
+  crc32c==2.9.post0 torchmetrics==1.0.3 lightning-utilities==0.15.3
 [ -n "$(ls "$out"/iopath-*.whl 2>/dev/null)" ] || (cd "$out" && python3 -m pip wheel -q --no-deps iopath==0.1.10)
 cp "$here/setup.sh" "$out/setup.sh"
 # The kit travels with the working tree to the GPU machine, which takes 64 MiB in all.

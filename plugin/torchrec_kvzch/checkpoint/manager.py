@@ -14,7 +14,11 @@ every link of a chain (complete, the base it names, every checksum) before it ch
 then loads the full one and applies the deltas in order. ``keep`` counts restorable checkpoints:
 the links their chains need are kept too.
 
-The folder must be on a filesystem all ranks share (one machine, or a shared mount).
+The folder must be on a filesystem all ranks share (one machine, or a shared mount). DCP
+reports a rank's failure as ``CheckpointException``, a ``BaseException`` that ``except
+Exception`` misses and whose text starts with a traceback; the manager raises
+``CheckpointError`` instead, an ``Exception`` whose first line is the first failing rank's own
+message.
 """
 
 from __future__ import annotations
@@ -24,13 +28,17 @@ import os
 import re
 import shutil
 import threading
+import traceback
+import warnings
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
 from torchrec_kvzch.checkpoint.record import chain_link
@@ -41,6 +49,28 @@ from torchrec_kvzch.torchrec.delta import delta_state, table_snapshots
 
 logger = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(Exception):
+    """A save or load that failed on some ranks. The message starts with the first failing
+    rank's own message; ``failures`` maps each failing rank to its exception."""
+
+    def __init__(self, action: str, path: Path, failures: dict[int, BaseException]) -> None:
+        first = min(failures)
+        lines = [_text(failures[first]), f"({action} of {path} failed on rank {first}"
+                 + (f"; also on ranks {sorted(set(failures) - {first})}" if len(failures) > 1 else "") + ")"]
+        lines += [f"rank {r}: {_text(e)}" for r, e in sorted(failures.items())
+                  if r != first and _text(e) != lines[0]]
+        super().__init__("\n".join(lines))
+        self.failures = failures
+
+    @classmethod
+    def of(cls, e: CheckpointException, action: str, path: Path) -> "CheckpointError":
+        return cls(action, path, {rank: exc for rank, (exc, _) in e.failures.items()})
+
+
+def _text(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
 
 
 @dataclass(frozen=True)
@@ -174,14 +204,16 @@ class CheckpointManager:
         self._barrier()
         writer = KVZCHFileSystemWriter(partial, thread_count=self.writer_threads)
         if not asynchronous:
-            dcp.save(to_save, storage_writer=writer, planner=KVZCHSavePlanner(base=link),
-                     process_group=self.process_group)
+            with _surfaced("save", partial):
+                dcp.save(to_save, storage_writer=writer, planner=KVZCHSavePlanner(base=link),
+                         process_group=self.process_group)
             self._commit(step, new_base)
             self._barrier()
             return None
         self._stager = self._stager or KVZCHAsyncStager()
-        future = dcp.async_save(to_save, storage_writer=writer, planner=KVZCHSavePlanner(base=link),
-                                async_stager=self._stager, process_group=self.process_group)
+        with _surfaced("save", partial):
+            future = dcp.async_save(to_save, storage_writer=writer, planner=KVZCHSavePlanner(base=link),
+                                    async_stager=self._stager, process_group=self.process_group)
         # DCP's future completes on each rank after the coordinator wrote the metadata: commit
         # then, without waiting for the trainer to ask.
         future.add_done_callback(lambda f: f.exception() is None and self._commit(step, new_base))
@@ -193,7 +225,8 @@ class CheckpointManager:
         Collective when a save is pending."""
         if self._pending is not None:
             (future, step, new_base), self._pending = self._pending, None
-            future.result()
+            with _surfaced("save", self.path(step).with_suffix(".partial")):
+                future.result()
             self._commit(step, new_base)  # a no-op when the callback already did it
             self._barrier()  # rank 0's rename and pruning are done: every rank sees them
 
@@ -226,10 +259,16 @@ class CheckpointManager:
     def load(self, state: dict, step: int | None = None, *, verify: bool = True,
              load_optimizer: bool = True) -> int | None:
         """Load the checkpoint of ``step`` (default: the latest complete one) into ``state`` in
-        place; returns the step loaded, or None when there is none. A delta's chain is checked
+        place; returns the step loaded, or None when there is none (with a warning when the
+        root itself does not exist: a first run, or a mistyped path). A delta's chain is checked
         link by link (``verify``: every checksum too) before anything changes, then applied.
-        Collective. ``verify`` and ``load_optimizer``: see ``KVZCHLoadPlanner``."""
+        Collective; a rank's failure raises ``CheckpointError``. ``verify`` and
+        ``load_optimizer``: see ``KVZCHLoadPlanner``."""
         self.wait()  # a save still being written: committed first (it may be the one to load)
+        if step is None and not self.root.is_dir():
+            warnings.warn(f"CheckpointManager.load: {self.root} does not exist, so nothing was loaded; "
+                          "expected on a first run, otherwise check the path", stacklevel=2)
+            return None
         step = self.latest() if step is None else step
         if step is None:
             return None
@@ -258,11 +297,21 @@ class CheckpointManager:
         path = self.path(step)
         planner = KVZCHLoadPlanner(checkpoint_id=path, verify=verify, load_optimizer=load_optimizer,
                                    delta=delta, tables_only=tables_only, check_only=check_only)
-        dcp.load(state, checkpoint_id=path, planner=planner, process_group=self.process_group)
+        with _surfaced("load", path):
+            dcp.load(state, checkpoint_id=path, planner=planner, process_group=self.process_group)
 
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier(group=self.process_group)
+
+
+@contextmanager
+def _surfaced(action: str, path: Path):
+    """DCP's ``CheckpointException`` (a ``BaseException``) as a ``CheckpointError``."""
+    try:
+        yield
+    except CheckpointException as e:
+        raise CheckpointError.of(e, action, path) from e
 
 
 def _rank() -> int:

@@ -38,10 +38,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dense-lr", type=float, default=0.05, help="Adagrad learning rate of the dense layers")
     p.add_argument("--log-every", type=int, default=10, help="steps between progress and metrics updates")
+    p.add_argument("--eval-every", type=int, default=100,
+                   help="steps between evaluations (AUC, NE) on the held-out slice of the log, and one at "
+                        "the end (0: none)")
+    p.add_argument("--eval-batches", type=int, default=2, help="global batches in the held-out slice")
+    p.add_argument("--pipeline", choices=["sparse-dist", "none"], default="sparse-dist",
+                   help="TorchRec's TrainPipelineSparseDist (the next batch's ids are distributed while "
+                        "this one trains), or a plain loop; both compute the same")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the sharding plan and the memory it plans per rank, then stop")
     p.add_argument("--timeout-s", type=float, default=300.0, help="collectives give up after this long")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
-    p.add_argument("--summary", default=None, help="summary JSON (default <run-dir>/summary.json)")
+    p.add_argument("--summary", default=None, help="this run's summary JSON (default <run-dir>/summary.json; every run's summary is "
+                        "also appended to <run-dir>/runs.jsonl)")
     p.add_argument("--admission", default=None, metavar="KIND:VALUE[:DEFAULT]",
                    help="admission for every KV-ZCH table, over the config's: count:MIN_COUNT or "
                         "probability:P, then zeros (default) or trainable for ids not admitted yet")
@@ -65,11 +75,12 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.global_batch_size % world_size:
         raise SystemExit(f"--global-batch-size {args.global_batch_size} is not divisible by the world size "
                          f"{world_size}; use a multiple of {world_size}")
-    for name in ("steps", "global_batch_size", "log_every", "keep"):
+    for name in ("steps", "global_batch_size", "log_every", "keep", "eval_batches"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.incremental_every < 0 or args.checkpoint_every < 0:
-        raise SystemExit("--checkpoint-every and --incremental-every must be >= 0")
+    for name in ("checkpoint_every", "incremental_every", "eval_every"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
     if args.incremental_every and args.checkpoint_every % args.incremental_every:
         raise SystemExit(f"--checkpoint-every {args.checkpoint_every} is not a multiple of --incremental-every "
                          f"{args.incremental_every}: full checkpoints fall on delta steps; use a multiple")

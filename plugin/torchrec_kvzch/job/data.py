@@ -3,7 +3,8 @@
 Both are indexed by the global step: batch ``step`` is the same ``global_batch_size`` examples
 at every world size, and rank ``r`` of ``W`` takes the ``r``-th of ``W`` equal slices. A run
 resumed at another world size therefore trains on exactly the examples it would have seen, and
-its loss curve continues where the checkpoint left it.
+its loss curve continues where the checkpoint left it. ``heldout(i)`` is batch ``i`` of a slice
+that training never reads, for evaluation.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torchrec_kvzch.table.hashing import mix64, unit_uniform  # splitmix64: a ch
 
 DENSE_FEATURES = INT_FEATURE_COUNT  # 13, as in Criteo
 _PROBE_STEP = -1  # the fixed batch that predictions are compared on
+_HELDOUT_STEP = -2  # held-out batch i is step -2 - i: training steps are >= 0
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -78,6 +80,12 @@ class SyntheticClickLog:
         """A fixed batch, the same on every rank, for comparing predictions across runs."""
         return self._examples(_PROBE_STEP, torch.arange(size))
 
+    def heldout(self, index: int, rank: int = 0, world_size: int = 1) -> Batch:
+        """Held-out batch ``index``: drawn like the training batches (popular ids, and ids never
+        seen before), from steps that training never reaches."""
+        part = _rank_slice(self.global_batch_size, rank, world_size)
+        return self._examples(_HELDOUT_STEP - index, torch.arange(part.start, part.stop))
+
     def _uniform(self, step: int, stream: int, index: torch.Tensor) -> torch.Tensor:
         """Counter-based uniforms in [0, 1): example ``index`` of ``step`` gets the same numbers
         whichever rank draws them, so a rank computes only its own slice."""
@@ -92,7 +100,8 @@ class SyntheticClickLog:
         ranks = (1.0 + u * (p**a - 1.0)).pow(1.0 / a).floor().long().clamp_(1, self.population) - 1
         # Fresh ids: numbered by their position in the whole log, hence never drawn twice.
         fresh = torch.stack([self._uniform(step, 64 + f, index) for f in range(nf)]) < self.new_id_fraction
-        position = self.population + (step + 2) * self.global_batch_size + index
+        log_position = step + 2 if step > _HELDOUT_STEP else 2**36 - step  # held-out ids: far from training's
+        position = self.population + log_position * self.global_batch_size + index
         ranks = torch.where(fresh, position.expand(nf, n), ranks)
         salt = (torch.arange(nf) + 1) * -7046029254386353131  # 0x9e3779b97f4a7c15
         ids = (mix64(ranks ^ salt[:, None]) & ((1 << 62) - 1)) % self.id_space[:, None]
@@ -112,11 +121,12 @@ class CriteoClickLog:
     ``cache_dir`` and then memory-mapped. Categorical values are the raw 32-bit hashes: a KV-ZCH
     table gives each its own row (no modulo), so the config's tables read features
     ``cat_0`` .. ``cat_25`` with ``num_embeddings`` of at least 2^32 (the shipped ``criteo`` config).
-    The log wraps around at its end.
+    Training reads the log in order and wraps around at its end, short of the last
+    ``heldout_batches`` global batches, which are held out for evaluation.
     """
 
     def __init__(self, config: ShardingConfig, paths: list[str], cache_dir: str | Path,
-                 global_batch_size: int) -> None:
+                 global_batch_size: int, heldout_batches: int = 0) -> None:
         self.features = [f for t in config.tables for f in t.features]
         unknown = [f for f in self.features if f not in DEFAULT_CAT_NAMES]
         if unknown:
@@ -135,9 +145,11 @@ class CriteoClickLog:
         self.dense = np.concatenate([a[0] for a in arrays])
         self.sparse = np.concatenate([a[1] for a in arrays])
         self.labels = np.concatenate([a[2] for a in arrays]).reshape(-1)
-        if len(self.labels) < global_batch_size:
-            raise ValueError(f"Criteo files {paths} hold {len(self.labels)} examples, fewer than one "
-                             f"global batch ({global_batch_size})")
+        self.heldout_start = len(self.labels) - heldout_batches * global_batch_size
+        if self.heldout_start < global_batch_size:
+            raise ValueError(f"Criteo files {paths} hold {len(self.labels)} examples, fewer than one global "
+                             f"batch ({global_batch_size}) for training and {heldout_batches} held out for "
+                             "evaluation; add data, or lower --global-batch-size or --eval-batches")
 
     @staticmethod
     def _converted(tsv: Path, cache_dir: Path) -> tuple[np.ndarray, ...]:
@@ -156,8 +168,12 @@ class CriteoClickLog:
 
     def batch(self, step: int, rank: int = 0, world_size: int = 1) -> Batch:
         part = _rank_slice(self.global_batch_size, rank, world_size)
-        rows = (step * self.global_batch_size + np.arange(part.start, part.stop)) % len(self.labels)
+        rows = (step * self.global_batch_size + np.arange(part.start, part.stop)) % self.heldout_start
         return self._rows(rows)
+
+    def heldout(self, index: int, rank: int = 0, world_size: int = 1) -> Batch:
+        part = _rank_slice(self.global_batch_size, rank, world_size)
+        return self._rows(self.heldout_start + index * self.global_batch_size + np.arange(part.start, part.stop))
 
     def probe(self, size: int = 256) -> Batch:
         return self._rows(np.arange(min(size, len(self.labels))))

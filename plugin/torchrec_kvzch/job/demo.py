@@ -4,7 +4,8 @@
 2. resume from that checkpoint on 1 process and keep training;
 3. compare the two runs' predictions on a fixed batch at the resume point (equal, bit for bit:
    the checkpoint carried every row, optimizer state and dense weight);
-4. print a summary and write ``results/demo.json`` and a loss-curve PNG.
+4. print a summary and write ``results/demo.json`` and the run's plot (loss, held-out AUC,
+   live rows).
 
 Each phase is a separate ``python -m torchrec_kvzch.job.train`` invocation, as a user would run it.
 """
@@ -18,32 +19,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torchrec_kvzch.job.train import format_summary
+from torchrec_kvzch.job.report import format_summary, plot_metrics, read_jsonl
 
 
 def run_phase(run_dir: Path, summary: Path, nproc: int, steps: int, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "torchrec_kvzch.job.train", "--nproc", str(nproc), "--steps", str(steps),
            "--run-dir", str(run_dir), "--summary", str(summary), *extra]
-    print("$", " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads(summary.read_text())
-
-
-def plot_loss(metrics: list[dict], resume_step: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for world in sorted({m["world_size"] for m in metrics}):
-        points = [(m["step"], m["loss"]) for m in metrics if m["world_size"] == world]
-        ax.plot(*zip(*points), marker=".", label=f"{world} process{'es' if world > 1 else ''}")
-    ax.axvline(resume_step, color="grey", linestyle="--", label=f"checkpoint / resume (step {resume_step})")
-    ax.set(xlabel="step", ylabel="training loss (BCE, window mean)", title="quickstart: train, checkpoint, resume")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,9 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
     before, after = first["probe_final"], second["probe_after_resume"]
     max_diff = max(abs(a - b) for a, b in zip(before, after))
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    plot = out.with_name(out.stem + "_loss.png")
-    plot_loss(metrics, second["resumed_from"], plot)
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["kind"] == "train"]
+    plot = plot_metrics(run_dir, out.with_name(out.stem + "_loss.png"))
     result = {
         "resume_predictions_equal": second["resumed_from"] == first["end_step"] and before == after,
         "max_abs_prediction_diff": max_diff,
@@ -88,17 +71,18 @@ def main(argv: list[str] | None = None) -> int:
         "loss_last": second["loss_last"],
         "loss_curve": [(m["step"], m["loss"], m["world_size"]) for m in metrics],
         "loss_plot": str(plot),
+        "heldout_auc_ne": [(e["step"], e["auc"], e["ne"]) for e in first["eval"] + second["eval"]],
         "commands": ["make demo"],
     }
     out.write_text(json.dumps(result, indent=1))
 
-    print("\n== phase 1 ==\n" + format_summary(first), file=sys.stderr)
-    print("\n== phase 2 ==\n" + format_summary(second), file=sys.stderr)
+    print("\n== phase 1 ==\n" + format_summary(first))
+    print("\n== phase 2 ==\n" + format_summary(second))
     verdict = "equal" if result["resume_predictions_equal"] else f"DIFFERENT (max |diff| {max_diff:.3g})"
     print(f"\npredictions on {len(before)} fixed examples, saved model (2 processes) vs resumed model "
           f"(1 process): {verdict}\nloss {result['loss_first']:.4f} -> {result['loss_at_resume']:.4f} "
           f"(step {first['end_step']}) -> {result['loss_last']:.4f} (step {second['end_step']})\n"
-          f"wrote {out} and {plot}", file=sys.stderr)
+          f"wrote {out} and {plot}")
     return 0 if result["resume_predictions_equal"] else 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import enum
 
 
@@ -19,8 +20,11 @@ def pair(value, name, fail) -> tuple[float, float]:
 
 def member(cls: type[enum.Enum], value, what: str, fail):
     """The member of ``cls`` that ``value`` (a member or its value, any case) names; else
-    ``fail("<what> <value> is unknown; use one of ...")``."""
+    ``fail("<what> <value> is unknown; [did you mean ...?] use one of ...")``."""
     try:
         return cls(str(getattr(value, "value", value)).lower())
     except ValueError:
-        fail(f"{what} {value!r} is unknown; use one of {', '.join(m.value for m in cls)}")
+        names = [m.value for m in cls]
+        close = difflib.get_close_matches(str(value).lower(), names, n=1)
+        fail(f"{what} {value!r} is unknown; " + (f"did you mean '{close[0]}'? " if close else "")
+             + f"use one of {', '.join(names)}")

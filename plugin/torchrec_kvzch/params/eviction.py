@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from torchrec_kvzch.params.checks import member, positive_int
 
 
+_BUDGETS = ("max_rows", "max_bytes", "table_max_rows", "table_max_bytes")
+
+
 class EvictionKind(str, enum.Enum):
     NONE = "none"
     TTL = "ttl"  # drop rows not touched for more than ttl_steps steps (or ttl_minutes)
@@ -46,6 +49,12 @@ class EvictionPolicy:
     A budget (``max_rows`` and/or ``max_bytes`` per table shard) is enforced before every
     insert: the policy's least valuable rows go first (oldest timestamp for ``lru``, ``ttl`` and
     ``l2``, lowest count for ``lfu``). Rows of the batch being looked up are never evicted for it.
+    ``table_max_rows`` / ``table_max_bytes`` give the budget of the whole table instead: each
+    shard takes its share, in proportion to its buckets (``for_shard``), so the table's total
+    holds at any world size. Given both, each shard keeps the smaller.
+
+    Checked by ``validate(table)``, which ``KVZCHTableParams`` calls: a policy alone is a plain
+    record until it is given to a table.
     """
 
     kind: EvictionKind | str = EvictionKind.NONE
@@ -61,6 +70,8 @@ class EvictionPolicy:
     trigger_rows: int | None = None
     trigger_bytes: int | None = None
     free_memory_bytes: int | None = None
+    table_max_rows: int | None = None
+    table_max_bytes: int | None = None
 
     def validate(self, table: str) -> "EvictionPolicy":
         def fail(problem: str):
@@ -69,7 +80,7 @@ class EvictionPolicy:
         kind = member(EvictionKind, self.kind, "eviction.kind", fail)
         trigger = member(EvictionTrigger, self.trigger, "eviction.trigger", fail)
         for name in ("ttl_steps", "count_threshold", "max_rows", "max_bytes", "interval_steps",
-                     "trigger_rows", "trigger_bytes", "free_memory_bytes"):
+                     "trigger_rows", "trigger_bytes", "free_memory_bytes") + _BUDGETS[2:]:
             value = getattr(self, name)
             if value is not None and not positive_int(value):
                 fail(f"eviction.{name} must be a positive integer, got {value!r}")
@@ -94,12 +105,15 @@ class EvictionPolicy:
             if getattr(self, name) is not None and name not in own:
                 fail(f"eviction.{name} has no effect with eviction.kind '{kind.value}'; drop it or "
                      "choose the kind that uses it")
-        budget = self.max_rows is not None or self.max_bytes is not None
+        budget = any(getattr(self, name) is not None for name in _BUDGETS)
         if kind is EvictionKind.LRU and not budget:
-            fail("eviction.kind 'lru' needs eviction.max_rows or eviction.max_bytes as a positive integer")
+            fail("eviction.kind 'lru' needs eviction.max_rows or eviction.max_bytes (per table shard), "
+                 "or eviction.table_max_rows / table_max_bytes (per table), as a positive integer")
         if kind is EvictionKind.NONE and budget:
-            fail("a budget (eviction.max_rows / max_bytes) needs eviction.kind lru, ttl, lfu or l2, "
-                 "which decides the rows that go first")
+            given = ("max_rows / max_bytes" if self.max_rows or self.max_bytes
+                     else "table_max_rows / table_max_bytes")
+            fail(f"a budget (eviction.{given}) needs eviction.kind lru, ttl, lfu or l2, which decides "
+                 "the rows that go first")
         need = {EvictionTrigger.ROWS: "trigger_rows", EvictionTrigger.BYTES: "trigger_bytes",
                 EvictionTrigger.FREE_MEMORY: "free_memory_bytes"}
         for trig, name in need.items():
@@ -115,6 +129,26 @@ class EvictionPolicy:
     @property
     def enabled(self) -> bool:
         return EvictionKind(self.kind) is not EvictionKind.NONE
+
+    def for_shard(self, start: int, end: int, total: int, table: str) -> "EvictionPolicy":
+        """The policy of the shard owning buckets ``[start, end)`` of ``total``: a table budget
+        becomes this shard's share, ``floor(B * end / total) - floor(B * start / total)``, so
+        that the shares of all shards add up to ``B`` exactly, whatever the world size; with a
+        per-shard budget too, the smaller holds. A share of no row is refused."""
+        limits = {}
+        for own, whole in (("max_rows", "table_max_rows"), ("max_bytes", "table_max_bytes")):
+            budget = getattr(self, whole)
+            if budget is None:
+                continue
+            share = budget * end // total - budget * start // total
+            if share < 1:
+                least = -(-total // (end - start))
+                raise ValueError(
+                    f"KV-ZCH table '{table}': eviction.{whole}={budget} leaves the shard of buckets "
+                    f"[{start}, {end}) of {total} nothing (shares go by buckets); fix: set it to at "
+                    f"least {least}, or give a budget per shard (eviction.{own})")
+            limits[own] = share if getattr(self, own) is None else min(getattr(self, own), share)
+        return dataclasses.replace(self, table_max_rows=None, table_max_bytes=None, **limits)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ up, when no fused update is pending (a delete moves rows between slots). Three t
   whose weights' L2 norm is below ``l2_threshold``. Headers count time in steps; for a
   wall-clock TTL the evictor notes when steps happened (``time_source``, injectable for tests,
   one note a second at most) and finds the last step older than the TTL;
-* the table's budget (``max_rows``, ``max_bytes`` per table shard): when the batch's new rows
+* the table's budget (``max_rows``, ``max_bytes`` per table shard, or this shard's share of
+  ``table_max_rows`` / ``table_max_bytes``, by buckets): when the batch's new rows
   would take the shard past it, the least valuable rows go first - oldest timestamp for ``lru``
   and ``ttl``, lowest count (then oldest) for ``lfu``, ties by ascending id - down to 1/64 below
   the budget, so that the next batches do not each pay for a selection;
@@ -23,7 +24,10 @@ up, when no fused update is pending (a delete moves rows between slots). Three t
   forward, which finds the rank still past the budget and evicts them then.
 
 Rows of the batch being looked up are never evicted for it; if they alone exceed a budget the
-shard (or rank) goes past it by at most that batch. Every decision depends on the rows and the
+shard (or rank) goes past it by at most that batch. A load (``loaded``) may leave a shard or a
+rank past its budget (e.g. on fewer ranks than saved): the first training lookup after it evicts
+down to the budget as every lookup does - as an uninterrupted run would at that step, so a
+resume stays exact - and logs how many rows it evicted. Every decision depends on the rows and the
 clock only, never on whether a checkpoint is being written: a frozen snapshot copies the rows
 an eviction removes, and ``lfu`` decay, which rewrites every header, first has it keep the
 header words (8 bytes a row, once per freeze), not whole rows.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import os
 import time
 import weakref
@@ -49,6 +54,8 @@ from torchrec_kvzch.table.layout import (
     meta_timestamp,
     meta_timestamp_view,
 )
+
+logger = logging.getLogger(__name__)
 
 # Peak scratch of one eviction, per live row: two masks, the order keys and their candidate copy
 # (int64 for lfu, which the budget accounting assumes for every order).
@@ -139,9 +146,21 @@ class Evictor:
 
     def __init__(self, store, budget: "SharedBudget | None" = None) -> None:
         self.store = store
-        self.policy = store.params.eviction
+        params, r = store.params, store.bucket_range
+        self.policy = params.eviction.for_shard(r.start, r.end, params.total_num_buckets, params.name)
         self.kind = EvictionKind(self.policy.kind)
         self.max_rows = budget_rows(self.policy, lambda rows: budget_bytes(store, rows))
+        if params.eviction.table_max_bytes is not None and self.max_rows == 0:
+            one = budget_bytes(store, 1)
+            raise ValueError(
+                f"KV-ZCH table '{params.name}': eviction.table_max_bytes={params.eviction.table_max_bytes} "
+                f"leaves the shard of buckets [{r.start}, {r.end}) {self.policy.max_bytes} bytes, less than "
+                f"one row takes ({one}); fix: set it to at least "
+                f"{-(-one * params.total_num_buckets // r.num_buckets)}, or use fewer buckets per rank")
+        given = [f"{n}={getattr(params.eviction, n)}" for n in
+                 ("max_rows", "max_bytes", "table_max_rows", "table_max_bytes") if getattr(params.eviction, n)]
+        self._budget_note = "eviction." + ", ".join(given)  # for the note after a load
+        self._loaded = False
         self.shared: SharedBudget | None = None  # set by SharedBudget._register
         if budget is not None:
             budget._register(store, self)
@@ -152,10 +171,25 @@ class Evictor:
     def before_insert(self, ids: torch.Tensor) -> int:
         """Run a due pass, then make room for the batch ``ids`` under the table's budget and the
         rank's; returns the number of rows evicted from this store and others."""
+        held, self._loaded = (len(self.store) if self._loaded else None), False
         evicted = self._own_policy(ids) if self.kind is not EvictionKind.NONE else 0
+        if held is not None and self.max_rows is not None and held > self.max_rows:
+            r = self.store.bucket_range
+            logger.warning("KV-ZCH table '%s': a load left %d rows in the shard of buckets [%d, %d), past "
+                           "its budget of %d rows (%s); the %s policy evicted %d rows before the first "
+                           "training batch looked up", self.store.params.name, held, r.start, r.end,
+                           self.max_rows, self._budget_note, self.kind.value, evicted)
         if self.shared is not None:
             evicted += self.shared.make_room(self.store, ids)
         return evicted
+
+    def loaded(self) -> None:
+        """A load replaced or changed the rows (``RowStore.restore_history``, which every load
+        ends with): the next training lookup says what it evicts if the load left the shard,
+        or the rank, past a budget."""
+        self._loaded = True
+        if self.shared is not None:
+            self.shared.loaded = True
 
     def remove(self, doomed: torch.Tensor) -> int:
         """Evict the rows of the mask ``doomed`` (one entry per live slot)."""
@@ -266,6 +300,7 @@ class SharedBudget:
             raise TypeError(f"SharedBudget needs a RankBudget, got {type(budget).__name__}")
         self.budget = budget
         self._stores: list[weakref.ref] = []
+        self.loaded = False  # a store under it was loaded since the last make_room (Evictor.loaded)
 
     def _register(self, store, evictor: Evictor) -> None:
         """Put ``store`` (being built, with ``evictor``) under this budget. On CPU its row arrays
@@ -313,16 +348,26 @@ class SharedBudget:
                 used.append((sum(map(budget_bytes, stores, rows)), budget.max_bytes))
             return any(total > limit - (limit // 64 if slack else 0) for total, limit in used)
 
+        loaded, self.loaded = self.loaded, False
         if not over([0] * len(stores), slack=False):
             return 0
+        held = self.usage() if loaded else {}
+        past = [f"{n}={getattr(budget, n)}" for n in ("max_rows", "max_bytes")
+                if getattr(budget, n) is not None and held.get(n[4:], 0) > getattr(budget, n)]
         protected = _batch_rows(store, present)
         candidates = [~protected if s is store else torch.ones(len(s), dtype=torch.bool, device=s.device)
                       for s in stores]
         keys = [order_key(s.meta[: len(s)], budget.order) for s in stores]
         doomed = least_valuable(stores, candidates, keys, lambda removed: not over(removed, slack=True))
         # Rows chosen in a store whose fused update is pending stay until its next forward.
-        return sum(s.evictor.remove(mask) for s, mask in zip(stores, doomed)
-                   if s is store or s.pending_update is None)
+        evicted = sum(s.evictor.remove(mask) for s, mask in zip(stores, doomed)
+                      if s is store or s.pending_update is None)
+        if past:
+            logger.warning("KV-ZCH rank budget (%s): after a load, this rank's KV-ZCH table shards held "
+                           "%d rows, %d bytes at the first training lookup, past it; it evicted %d rows "
+                           "(%s order) before the batch was looked up", ", ".join(past), held["rows"],
+                           held["bytes"], evicted, budget.order.value)
+        return evicted
 
 
 _PASS_KINDS = (EvictionKind.TTL, EvictionKind.LFU, EvictionKind.L2)

@@ -69,12 +69,11 @@ class RowStore:
         self.changes = ChangeLog()  # what incremental checkpoints need to tell (changes.py)
         self.admission = (Admission(params.admission, params.init_seed, self.device)
                           if params.admission.enabled else None)
-        self._reserved = 0  # capacity reserved up front: deletes never shrink below it
+        self._reserved = self._reserved_map = 0  # rows reserved (arrays, id map): deletes, loads keep them
         self._alloc(_MIN_ROWS)
         self.evictor = Evictor(self, budget)
-        if self.evictor.max_rows is not None:  # a budget: room for it now, never a growth copy
-            initial_rows = self.evictor.max_rows
-        if initial_rows:
+        initial_rows = initial_rows if self.evictor.max_rows is None else self.evictor.max_rows  # a budget
+        if initial_rows:  # room for it now: never a growth copy
             self.reserve(initial_rows)
 
     # -- sizes --------------------------------------------------------------------------------
@@ -322,6 +321,7 @@ class RowStore:
         """Set the clock, and the history from saved ``[buckets, 2]`` counters."""
         self.history.restore(counters, bucket_size)
         self.clock = int(clock)
+        self.evictor.loaded()  # every load ends here: the next lookup evicts down to the budgets
 
     def reserve(self, rows: int, id_map: bool = True) -> None:
         """Make room for ``rows`` rows without further copies; deletes never shrink the arrays
@@ -331,6 +331,7 @@ class RowStore:
         if rows > self.capacity:
             self._resize(rows, keep=len(self))
         if id_map:
+            self._reserved_map = max(self._reserved_map, rows)
             self.id_map.reserve(rows)
 
     def clear(self) -> None:
@@ -339,9 +340,10 @@ class RowStore:
                 frozen.let_go()  # the dropped arrays stay readable for it, no copy needed
             self._frozen = ()
             self.id_map.clear()
+            self.id_map.reserve(self._reserved_map)
             self.changes.changed_untracked()
             self.epoch += 1
-            self._alloc(_MIN_ROWS)
+            self._alloc(max(_MIN_ROWS, self._reserved))  # a load keeps the reservation: no growth copies
 
     # -- internals ----------------------------------------------------------------------------
     def before_header_rewrite(self, decay: float | None = None) -> None:

@@ -28,6 +28,7 @@ defaults: nothing here repeats them.
 
 from __future__ import annotations
 
+import difflib
 import re
 import types
 import typing
@@ -151,8 +152,10 @@ class _Parser:
             self.fail(where, f"expected a mapping with keys from {sorted(allowed)}, got {value!r}")
         for key in value:
             if key not in allowed:
+                close = difflib.get_close_matches(str(key), allowed, n=1)
                 self.fail(f"{where}.{key}" if where else str(key),
-                          f"unknown key; allowed: {', '.join(sorted(allowed))}")
+                          (f"unknown key; did you mean '{close[0]}'? " if close else "unknown key; ")
+                          + f"allowed: {', '.join(sorted(allowed))}")
         for key in sorted(required - value.keys()):
             self.fail(where or "top level", f"missing required key '{key}'")
         return value
@@ -167,7 +170,9 @@ class _Parser:
 
     def choice(self, value: Any, where: str, allowed) -> Any:
         if value not in allowed:
-            self.fail(where, f"{value!r} is not allowed; use one of {', '.join(map(str, allowed))}")
+            close = difflib.get_close_matches(str(value), list(map(str, allowed)), n=1)
+            self.fail(where, f"{value!r} is not allowed; " + (f"did you mean '{close[0]}'? " if close else "")
+                      + f"use one of {', '.join(map(str, allowed))}")
         return value
 
     def config(self, raw: Any) -> ShardingConfig:

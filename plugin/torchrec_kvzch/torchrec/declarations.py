@@ -12,7 +12,9 @@ only when publishing for inference, which training never does (docs/porting.md l
 Precedence, where two declarations say the same thing: a table's own beats the sharders'
 (``KVZCHTableParams`` fields that are set, then the config), and the sharders' ``fused_params``
 fill the optimizer fields a table leaves unset. A config field that contradicts the table's
-``KVZCHTableParams`` is an error, never a choice.
+``KVZCHTableParams`` is an error, never a choice. What TorchRec has no per-table field for
+(``EXTRA_FIELDS``: an ``lru`` budget, admission, ``expected_rows``...) a table declared the
+TorchRec way takes from its ``KVZCHConstraints``, merged into what the config declares.
 """
 
 from __future__ import annotations
@@ -80,18 +82,33 @@ _TBE_CONFIG_REFUSED = {
     "enrichment_policy": "enriching rows from external sources is not provided",
 }
 _noticed: set[tuple[str, str]] = set()
+# KVZCHTableParams fields TorchRec's declarations have no per-table place for: a table declared
+# the TorchRec way may add them alone (KVZCHConstraints(expected_rows=...)); the rest of its
+# parameters come from its config, kernel and the sharders' fused params.
+EXTRA_FIELDS = ("eviction", "admission", "expected_rows", "checkpoint_chunk_rows", "init_seed",
+                "optimizer", "learning_rate", "eps")
 
 
 def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_value_params=None,
-                 fused_params: dict | None = None,
-                 explicit: KVZCHTableParams | None = None) -> KVZCHTableParams:
+                 fused_params: dict | None = None, explicit: KVZCHTableParams | None = None,
+                 extras: dict | None = None) -> KVZCHTableParams:
     """The KV-ZCH parameters of a table declared the TorchRec way (``config`` planned on
     ``kernel`` with ``key_value_params``, sharded with ``fused_params``), merged with its
-    ``KVZCHTableParams`` when it has some (``explicit``)."""
+    ``KVZCHTableParams`` when it has some (``explicit``), or with the ``EXTRA_FIELDS`` its
+    ``KVZCHConstraints`` set (``extras``, which win over the fused params as a table's own do)."""
     name = config.name
 
     def fail(problem: str, fix: str):
         raise ValueError(f"KV-ZCH table '{name}': {problem}; fix: {fix}")
+
+    extras = dict(extras or {})
+    unknown = sorted(set(extras) - set(EXTRA_FIELDS))
+    if unknown:
+        fail(f"{unknown} cannot be given beside a TorchRec declaration (the config declares them)",
+             f"set them in the config; the fields TorchRec has no place for are {list(EXTRA_FIELDS)}")
+    if explicit is not None and extras:
+        fail(f"its KVZCHConstraints give kvzch=KVZCHTableParams(...) and {sorted(extras)} too",
+             "give either kvzch= (every parameter) or the extra fields alone")
 
     if kernel not in VIRTUAL_KERNELS:
         fail(f"compute kernel {kernel!r} is not a KV-ZCH kernel",
@@ -115,16 +132,31 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
     dtype = _DTYPES[config.data_type]
     if explicit is not None:
         return _merge(config, explicit, dtype, eviction, optimizer, fail)
+    if "eviction" in extras and eviction.enabled:
+        fail(f"eviction is declared twice: the config's virtual_table_eviction_policy reads as "
+             f"{eviction}, its KVZCHConstraints say {extras['eviction']}",
+             "declare it once: drop the config's policy (or use NoEvictionPolicy), or the "
+             "KVZCHConstraints' eviction")
     low = config.weight_init_min if config.weight_init_min is not None else -_DEFAULT_INIT[dtype]
     high = config.weight_init_max if config.weight_init_max is not None else _DEFAULT_INIT[dtype]
     # As TorchRec sets up its own DRAM/SSD backends: optimizer state in the store, whole rows
     # returned by DRAM ones.
-    return KVZCHTableParams(
+    fields = dict(
         name=name, embedding_dim=config.embedding_dim, num_embeddings=config.num_embeddings,
         total_num_buckets=config.total_num_buckets, weight_dtype=dtype, init_range=(low, high),
         enable_optimizer_offloading=True,
         backend_return_whole_row=kernel != EmbeddingComputeKernel.SSD_VIRTUAL_TABLE.value,
         eviction=eviction, **optimizer)
+    return KVZCHTableParams(**{**fields, **extras})
+
+
+def table_fused_params(fused_params: dict | None, sharding_or_constraints) -> dict:
+    """The sharders' fused params with a table's own ``stochastic_rounding`` (TorchRec's
+    ``ParameterConstraints`` / ``ParameterSharding`` field) in place of theirs, as TorchRec
+    merges it into the fused params of that table's kernel."""
+    own = getattr(sharding_or_constraints, "stochastic_rounding", None)
+    fused = dict(fused_params or {})
+    return fused if own is None else {**fused, "stochastic_rounding": own}
 
 
 def _merge(config, explicit: KVZCHTableParams, dtype: str, eviction: EvictionPolicy,

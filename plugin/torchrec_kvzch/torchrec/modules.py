@@ -44,8 +44,10 @@ from torchrec_kvzch.torchrec.state_dict import (
     TABLE_ENTRIES, UPSTREAM_ONLY_ENTRIES, kv_view, load_materialised, table_entries)
 from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.params import KVZCHTableParams, RankBudget
-from torchrec_kvzch.torchrec.declarations import KVZCH_KERNEL, VIRTUAL_KERNELS, table_params
+from torchrec_kvzch.torchrec.declarations import (
+    KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_params)
 from torchrec_kvzch.torchrec.embedding_kernel import BUDGET_KEY, FUSED_PARAMS_KEY, KVZCHEmbeddingKernel
+from torchrec_kvzch.torchrec.pretrained import sharded_with_rows, without_kvzch_weights
 from torchrec_kvzch.torchrec.tables import kvzch_kernels, kvzch_tables
 from torchrec_kvzch.torchrec.validation import BatchChecker
 from torchrec_kvzch.table.eviction import SharedBudget
@@ -99,7 +101,8 @@ def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict |
                              f"parameters; plan it on {KVZCH_KERNEL} (KVZCHShardingPlanner does)")
         # (Parameters from our planner come back unchanged: it read the same declarations.)
         params = table_params(by_name[name], KVZCH_KERNEL if kernel == STORE_KERNEL else kernel,
-                              sharding.key_value_params, fused_params, explicit)
+                              sharding.key_value_params, table_fused_params(fused_params, sharding),
+                              explicit)
         if sharding.sharding_type != ROW_WISE:
             raise ValueError(f"KV-ZCH table '{name}' is planned {sharding.sharding_type}; KV-ZCH "
                              f"tables are sharded row-wise by buckets (sharding_types=['{ROW_WISE}'])")
@@ -163,6 +166,12 @@ class _KVZCHModuleMixin:
 
     def _kvzch_tables(self) -> set[str]:
         return {t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == STORE_KERNEL}
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        if "_check_batch" not in self.__dict__:  # TorchRec's __init__, copying the unsharded module
+            keys = {f"{self._tables_prefix}{t}.weight" for t in self._kvzch_tables()}
+            state_dict = without_kvzch_weights(state_dict, keys)
+        return super().load_state_dict(state_dict, *args, **kwargs)
 
     def reset_parameters(self) -> None:
         # Stock reset re-initialises every table's dense weight; ours have none (the store
@@ -307,9 +316,17 @@ def _take_kvzch_entries(module, state_dict, prefix, *args) -> None:
 
 # -- sharders ----------------------------------------------------------------------------------
 class _KVZCHSharderMixin:
+    _tables_attr: str  # where the unsharded module keeps its tables
+
     def __init__(self, *args, shared_budget: SharedBudget | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.shared_budget = shared_budget
+
+    def _build(self, module, params, build):
+        """``build()``, with the rows of KV-ZCH tables materialised before sharding loaded
+        into their stores (``pretrained.py``)."""
+        names = [n for n, s in params.items() if s.compute_kernel == STORE_KERNEL]
+        return sharded_with_rows(module, self._tables_attr, names, build)
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = list(super().sharding_types(compute_device_type))
@@ -327,13 +344,15 @@ class _KVZCHSharderMixin:
 class KVZCHEmbeddingBagCollectionSharder(_KVZCHSharderMixin, EmbeddingBagCollectionSharder):
     """Shards EmbeddingBagCollections whose KV-ZCH tables use our kernel; other tables as usual."""
 
+    _tables_attr = "embedding_bags"
+
     def shard(self, module, params, env, device=None, module_fqn=None):
         params = store_plan(module.embedding_bag_configs(), params, self.fused_params, self.shared_budget)
-        return KVZCHShardedEmbeddingBagCollection(
+        return self._build(module, params, lambda: KVZCHShardedEmbeddingBagCollection(
             module=module, table_name_to_parameter_sharding=params, env=env,
             fused_params=self.fused_params, device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
-            sharded_module_order_overwrite=self._sharded_module_order_overwrite)
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite))
 
     @property
     def sharded_module_type(self):
@@ -343,12 +362,14 @@ class KVZCHEmbeddingBagCollectionSharder(_KVZCHSharderMixin, EmbeddingBagCollect
 class KVZCHEmbeddingCollectionSharder(_KVZCHSharderMixin, EmbeddingCollectionSharder):
     """Shards EmbeddingCollections whose KV-ZCH tables use our kernel; other tables as usual."""
 
+    _tables_attr = "embeddings"
+
     def shard(self, module, params, env, device=None, module_fqn=None):
         params = store_plan(module.embedding_configs(), params, self.fused_params, self.shared_budget)
-        return KVZCHShardedEmbeddingCollection(
+        return self._build(module, params, lambda: KVZCHShardedEmbeddingCollection(
             module, params, env, self.fused_params, device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
-            use_index_dedup=self._use_index_dedup, module_fqn=module_fqn)
+            use_index_dedup=self._use_index_dedup, module_fqn=module_fqn))
 
     @property
     def sharded_module_type(self):

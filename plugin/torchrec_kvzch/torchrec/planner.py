@@ -3,8 +3,10 @@
 A table is a KV-ZCH table when its config says ``use_virtual_table=True`` (TorchRec's own
 declaration), when its constraints name a virtual-table kernel (``dram_virtual_table``,
 ``ssd_virtual_table``, ``dram_ssd_virtual_table``), or when its constraints are
-``KVZCHConstraints(kvzch=KVZCHTableParams(...))``, our explicit way. ``KVZCHShardingPlanner``
-is TorchRec's ``EmbeddingShardingPlanner`` with three additions:
+``KVZCHConstraints``: with ``kvzch=KVZCHTableParams(...)``, our explicit way, or with only the
+fields TorchRec has no place for (``expected_rows=``, ``eviction=``, ``admission=``...), merged
+into the TorchRec declaration. ``KVZCHShardingPlanner`` is TorchRec's
+``EmbeddingShardingPlanner`` with these additions:
 
 * constraints: KV-ZCH tables are pinned to ROW_WISE on their virtual-table kernel, and their
   parameters are read from every declaration (``declarations.table_params``) before planning,
@@ -17,27 +19,38 @@ is TorchRec's ``EmbeddingShardingPlanner`` with three additions:
 * the plan it returns carries each KV-ZCH table's parameters (``KVZCHParameterSharding``),
   which is how they reach the kernel. TorchRec's stock planner can plan the same tables on
   CUDA (it prices virtual-table kernels there); our sharders then read the parameters from the
-  declarations themselves.
+  declarations themselves;
+* ``collective_plan`` checks the declarations on every rank before its broadcast, and raises a
+  planning error of rank 0 on every rank (TorchRec's leaves the others to fail on a closed
+  connection);
+* TorchRec's default storage reservation, without its notices about dense tensors of
+  unmaterialised modules (docs/torchrec.md, "Warnings").
 """
 
 from __future__ import annotations
 
+import logging
+import pickle
+import warnings
 from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.constants import BATCH_SIZE, DDR_MEM_BW
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator import EmbeddingPerfEstimatorFactory
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
 from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
+from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.planner.types import ShardingOption, Storage
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from torchrec_kvzch.params import BucketRange, KVZCHTableParams
-from torchrec_kvzch.torchrec.declarations import KVZCH_KERNEL, VIRTUAL_KERNELS, table_params
+from torchrec_kvzch.params import AdmissionPolicy, BucketRange, EvictionPolicy, KVZCHTableParams, OptimizerKind
+from torchrec_kvzch.torchrec.declarations import (
+    EXTRA_FIELDS, KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_params)
 from torchrec_kvzch.torchrec.modules import ROW_WISE, KVZCHParameterSharding, kvzch_sharders
 from torchrec_kvzch.table.layout import RowLayout
 from torchrec_kvzch.table.row_store import RowStore
@@ -45,10 +58,24 @@ from torchrec_kvzch.table.row_store import RowStore
 
 @dataclass
 class KVZCHConstraints(ParameterConstraints):
-    """TorchRec planner constraints of a KV-ZCH table: its options, plus any usual constraint
-    (pooling factors, batch sizes...). Sharding type and kernel are set by the planner."""
+    """TorchRec planner constraints of a KV-ZCH table, plus any usual constraint (pooling
+    factors, batch sizes...); sharding type and kernel are set by the planner. Either every
+    parameter (``kvzch=KVZCHTableParams(...)``), or, for a table declared the TorchRec way, only
+    what TorchRec has no per-table field for (the fields below ``kvzch``; None: not given)."""
 
     kvzch: KVZCHTableParams | None = None
+    eviction: EvictionPolicy | None = None
+    admission: AdmissionPolicy | None = None
+    expected_rows: int | None = None
+    checkpoint_chunk_rows: int | None = None
+    init_seed: int | None = None
+    optimizer: OptimizerKind | str | None = None
+    learning_rate: float | None = None
+    eps: float | None = None
+
+    def extras(self) -> dict:
+        """The ``KVZCHTableParams`` fields given beside the TorchRec declaration."""
+        return {f: getattr(self, f) for f in EXTRA_FIELDS if getattr(self, f) is not None}
 
 
 class KVZCHPerfConfig(EmbeddingPerfEstimatorConfig):
@@ -84,6 +111,41 @@ class KVZCHStorageEstimator(EmbeddingStorageEstimator):
                 shard.storage = Storage(hbm=nbytes, ddr=0) if self._on_cuda else Storage(hbm=0, ddr=nbytes)
 
 
+_DENSE_NOTICE = "There is a known issue with TorchRec's dense tensor size calculation"
+
+
+def _not_dense_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_DENSE_NOTICE)
+
+
+class QuietStorageReservation(HeuristicalStorageReservation):
+    """TorchRec's default reservation (a share of each device, the dense parameters six times,
+    the input batches), without the notices TorchRec 1.8 gives on each use: a FutureWarning when
+    built, a log line each plan. Both warn that the dense part is misjudged for modules whose
+    dense tensors are not materialised (lazy modules, FSDP); a meta-built embedding module is
+    not part of it. Pass another ``storage_reservation`` to the planner where that matters."""
+
+    def __init__(self, percentage: float = 0.15, **kwargs) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "HeuristicalStorageReservation is known", FutureWarning)
+            super().__init__(percentage, **kwargs)
+
+    def reserve(self, *args, **kwargs):
+        logger = logging.getLogger(HeuristicalStorageReservation.__module__)
+        logger.addFilter(_not_dense_notice)
+        try:
+            return super().reserve(*args, **kwargs)
+        finally:
+            logger.removeFilter(_not_dense_notice)
+
+
+@dataclass
+class _Failed:
+    """A planning error of rank 0, broadcast so that every rank raises it."""
+
+    error: BaseException
+
+
 class KVZCHShardingPlanner(EmbeddingShardingPlanner):
     """TorchRec's planner, which also plans KV-ZCH tables (see the module docstring)."""
 
@@ -104,12 +166,13 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
         storage = KVZCHStorageEstimator(topology, self._constraints, self._estimated)
         enumerator = EmbeddingEnumerator(topology, batch_size, self._constraints,
                                          estimator=[perf, storage])
+        kwargs["storage_reservation"] = kwargs.get("storage_reservation") or QuietStorageReservation()
         super().__init__(topology=topology, batch_size=batch_size, enumerator=enumerator,
                          constraints=self._constraints, **kwargs)
 
     def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
         self._kvzch.clear()
-        self._kvzch.update(self._declared_tables(module, sharders))
+        self._kvzch.update(self._checked_tables(module, sharders))
         self._estimated.clear()
         self._estimated.update((n, p) for n, p in self._kvzch.items()
                                if isinstance(self._constraints[n], KVZCHConstraints))
@@ -121,7 +184,37 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
         return plan
 
     def collective_plan(self, module: nn.Module, sharders=None, pg: dist.ProcessGroup | None = None):
-        return super().collective_plan(module, sharders or kvzch_sharders(), pg)
+        """The plan of rank 0, on every rank of ``pg`` (WORLD if None), as TorchRec's. Every
+        rank checks the KV-ZCH declarations first, so a bad one fails alike everywhere before
+        any collective, and an error of rank 0's planning is raised on every rank."""
+        sharders = sharders or kvzch_sharders()
+        if pg is None and not dist.is_initialized():
+            raise RuntimeError("collective_plan needs an initialised process group; on a single "
+                               "process without one, call plan() instead")
+        pg = pg if pg is not None else dist.group.WORLD
+        self._checked_tables(module, sharders)
+        outcome = invoke_on_rank_and_broadcast_result(pg, 0, self._plan_or_failure, module, sharders)
+        if isinstance(outcome, _Failed):
+            raise outcome.error
+        return outcome
+
+    def _plan_or_failure(self, module: nn.Module, sharders) -> ShardingPlan | _Failed:
+        try:
+            return self.plan(module, sharders)
+        except Exception as error:  # noqa: BLE001 - re-raised on every rank
+            try:
+                pickle.dumps(error)
+            except Exception:  # noqa: BLE001 - an error that cannot travel goes as its text
+                error = RuntimeError(f"{type(error).__name__}: {error}")
+            return _Failed(error)
+
+    def _checked_tables(self, module: nn.Module, sharders) -> dict[str, KVZCHTableParams]:
+        """``_declared_tables``, checked against the topology's world size: each rank must own
+        a bucket of each table (TorchRec would refuse later, without the table's name)."""
+        tables = self._declared_tables(module, sharders)
+        for params in tables.values():
+            params.check_world_size(self._topology.world_size)
+        return tables
 
     def _declared_tables(self, module: nn.Module, sharders) -> dict[str, KVZCHTableParams]:
         """Every KV-ZCH table of the model with its parameters; pins their constraints (these
@@ -142,14 +235,17 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
                 if kernel is None:
                     continue
                 explicit = getattr(constraints, "kvzch", None)
-                if isinstance(constraints, KVZCHConstraints) and not isinstance(explicit, KVZCHTableParams):
+                if explicit is not None and not isinstance(explicit, KVZCHTableParams):
                     raise ValueError(f"table '{config.name}': KVZCHConstraints.kvzch must be a "
-                                     f"KVZCHTableParams, got {explicit!r}")
+                                     f"KVZCHTableParams, got {explicit!r}; fix: pass one, or leave "
+                                     "it out and give only the extra fields")
                 if explicit is not None and explicit.name != config.name:
                     raise ValueError(f"table '{config.name}': its KVZCHConstraints carry the "
                                      f"parameters of table '{explicit.name}'")
+                extras = constraints.extras() if isinstance(constraints, KVZCHConstraints) else {}
                 tables[config.name] = table_params(
-                    config, kernel, getattr(constraints, "key_value_params", None), fused, explicit)
+                    config, kernel, getattr(constraints, "key_value_params", None),
+                    table_fused_params(fused, constraints), explicit, extras)
                 self._constraints[config.name] = _pinned(config.name, constraints, kernel)
         missing = sorted(n for n, c in self._constraints.items()
                          if isinstance(c, KVZCHConstraints) and n not in declared)

@@ -3,7 +3,8 @@
 A KV-ZCH table is declared to TorchRec as a virtual table (``use_virtual_table=True``) with
 ``total_num_buckets``: that makes TorchRec's planner split its rows at bucket boundaries and its
 row-wise input distribution route each id to the rank owning the id's bucket. Build such
-modules on the meta device: the virtual size (2^40 rows) must never be materialised.
+modules on the meta device: the virtual size (2^40 rows) must never be materialised (a small
+table's materialised weight becomes its rows when sharded: ``pretrained.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,94 @@
+"""A table declared the TorchRec way takes the plugin's extras (an lru budget, admission,
+expected_rows...) from its KVZCHConstraints alone, merged into what its config declares; and a
+table's own stochastic_rounding constraint is honoured (TorchRec's per-table field)."""
+
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.types import KeyValueParams, ParameterSharding
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, TimestampBasedEvictionPolicy
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from _dist import run_ranks
+from torchrec_kvzch import AdmissionPolicy, EvictionPolicy, KVZCHConstraints, KVZCHTableParams
+from torchrec_kvzch.torchrec import KVZCHShardingPlanner, kvzch_sharders
+from torchrec_kvzch.torchrec.modules import store_plan
+
+ROWS, BUCKETS = 2**20, 64  # the config's 64 buckets, not KVZCHTableParams' default 1,024
+FUSED = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.05, "eps": 0.01}
+
+
+def config(policy=None, name="user", **fields):
+    return EmbeddingBagConfig(name=name, embedding_dim=16, num_embeddings=ROWS, feature_names=[f"f_{name}"],
+                              use_virtual_table=True, total_num_buckets=BUCKETS,
+                              virtual_table_eviction_policy=policy, **fields)
+
+
+def planned(constraints, policy=None, fused=FUSED, **fields):
+    ebc = EmbeddingBagCollection(tables=[config(policy, **fields)], device=torch.device("meta"))
+    planner = KVZCHShardingPlanner(Topology(world_size=2, compute_device="cpu"), constraints={"user": constraints})
+    return planner.plan(ebc, kvzch_sharders(fused)).plan[""]["user"].kvzch
+
+
+def test_extras_alone_merge_into_the_torchrec_declaration():
+    lru = EvictionPolicy(kind="lru", max_rows=100)
+    admission = AdmissionPolicy("count", min_count=2)
+    params = planned(KVZCHConstraints(compute_kernels=["dram_virtual_table"], expected_rows=5000,
+                                      eviction=lru, admission=admission, learning_rate=0.2))
+    # The shape comes from the config, the extras from the constraints, the rest from the sharders.
+    assert (params.name, params.embedding_dim, params.num_embeddings, params.total_num_buckets) == (
+        "user", 16, ROWS, BUCKETS)
+    assert (params.expected_rows, params.eviction, params.admission) == (5000, lru.validate("user"),
+                                                                         admission.validate("user"))
+    assert (params.optimizer.value, params.learning_rate, params.eps) == ("exact_sgd", 0.2, 0.01)
+    assert params.enable_optimizer_offloading and params.backend_return_whole_row  # as the kernel says
+    # No extras at all: the TorchRec declaration as it is.
+    assert planned(KVZCHConstraints()).expected_rows == KVZCHTableParams("x", 4).expected_rows
+
+
+def test_conflicting_or_bad_extras_are_refused_by_name():
+    ttl = TimestampBasedEvictionPolicy(eviction_ttl_mins=60)
+    with pytest.raises(ValueError, match="KV-ZCH table 'user': eviction is declared twice: the config's "
+                                         "virtual_table_eviction_policy .* fix: declare it once"):
+        planned(KVZCHConstraints(key_value_params=KeyValueParams(l2_cache_size=4),
+                                 eviction=EvictionPolicy(kind="lru", max_rows=100)), ttl)
+    own = KVZCHTableParams("user", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS)
+    with pytest.raises(ValueError, match=r"KV-ZCH table 'user': its KVZCHConstraints give kvzch=.* and "
+                                         r"\['expected_rows'\] too; fix: give either kvzch="):
+        planned(KVZCHConstraints(kvzch=own, expected_rows=10))
+    with pytest.raises(ValueError, match="KV-ZCH table 'user': expected_rows must be a positive integer"):
+        planned(KVZCHConstraints(expected_rows=-1))
+
+
+def test_a_tables_stochastic_rounding_constraint_beats_the_sharders():
+    fused = {**FUSED, "stochastic_rounding": True}
+    assert not planned(ParameterConstraints(stochastic_rounding=False), fused=fused,
+                       data_type=DataType.FP16).stochastic_rounding
+    # Planned elsewhere (TorchRec's planner puts it in the ParameterSharding): the sharder reads it.
+    sharding = ParameterSharding(sharding_type="row_wise", compute_kernel="dram_virtual_table", ranks=[0],
+                                 stochastic_rounding=False)
+    [(name, kept)] = store_plan([config(data_type=DataType.FP16)], {"user": sharding}, fused).items()
+    assert not kept.kvzch.stochastic_rounding
+
+
+def train_with_extras(rank, world):
+    from _dist import sharded
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from torchrec_kvzch import kvzch_tables
+
+    ebc = EmbeddingBagCollection(tables=[config(name="user"), config(name="item")], device=torch.device("meta"))
+    constraints = {"user": KVZCHConstraints(eviction=EvictionPolicy(kind="lru", max_rows=50)),
+                   "item": KVZCHConstraints(expected_rows=40_000)}
+    model = sharded(ebc, constraints, {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1})
+    for step in range(4):
+        ids = torch.arange(200) * (ROWS // 200) + step
+        model(KeyedJaggedTensor(keys=["f_user", "f_item"], values=torch.cat([ids, ids]),
+                                lengths=torch.ones(400, dtype=torch.long))).wait().values().sum().backward()
+    tables = dict(kvzch_tables(model))
+    user, item = tables["user"].store, tables["item"].store
+    return user.params.eviction.kind.value, user.history.evicted > 0, item.capacity >= 40_000 // world
+
+
+def test_extras_reach_the_stores_on_two_ranks():
+    assert run_ranks(2, train_with_extras) == [("lru", True, True)] * 2

@@ -329,6 +329,10 @@ def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
             check_args(parse_args(["--config", QUICKSTART, "--admission", spec]), 2)
     with pytest.raises(Exception, match="no such sharding config"):
         check_args(parse_args(["--config", str(tmp_path / "missing.yaml")]), 2)
+    few = tmp_path / "few.yaml"
+    few.write_text(Path(QUICKSTART).read_text().replace("total_num_buckets: 64", "total_num_buckets: 2"))
+    with pytest.raises(ValueError, match=r"KV-ZCH table 'user': total_num_buckets \(2\) is smaller than the world size \(4\)"):
+        check_args(parse_args(["--config", str(few), "--nproc", "4"]), 4)
 
 
 def test_console_script_is_installed():

@@ -72,6 +72,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if len(dims) != 1:
         raise SystemExit(f"{args.config}: DLRM needs one embedding_dim for all tables, got "
                          + ", ".join(f"{t.name}={t.embedding_dim}" for t in config.tables))
+    for table in config.kvzch_tables:  # (the planner checks it too, on every rank: this is sooner)
+        table.check_world_size(world_size)
     if args.global_batch_size % world_size:
         raise SystemExit(f"--global-batch-size {args.global_batch_size} is not divisible by the world size "
                          f"{world_size}; use a multiple of {world_size}")

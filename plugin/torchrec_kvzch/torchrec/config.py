@@ -149,7 +149,7 @@ class _Parser:
 
     def mapping(self, value: Any, where: str, allowed: set[str], required: set[str] = frozenset()) -> dict:
         if not isinstance(value, dict):
-            self.fail(where, f"expected a mapping with keys from {sorted(allowed)}, got {value!r}")
+            self.fail(where or "top level", f"expected a mapping with keys from {sorted(allowed)}, got {value!r}")
         for key in value:
             if key not in allowed:
                 close = difflib.get_close_matches(str(key), allowed, n=1)

@@ -10,7 +10,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "plugin" / "torchrec_kvzch"
 # Bottom to top. The package's __init__ (the public API) and the deprecated aliases of old
 # import paths sit outside the layers: they may import any of them.
-LAYERS = ["params", "table", "torchrec", "checkpoint", "job"]
+LAYERS = ["params", "table", "torchrec", "checkpoint", "serving", "job"]
 FACADES = {"torchrec_kvzch", "torchrec_kvzch.sharding", "torchrec_kvzch.config", "torchrec_kvzch.train",
            "torchrec_kvzch.checkpoint.planner"}
 MAX_LINES = 400

@@ -37,6 +37,10 @@ assert config.tables[0].kvzch.total_num_buckets == 64 and config.tables[0].kvzch
 assert {n: len(k.store) for n, k in kvzch_tables(model)} == {'user': 2, 'item': 2}
 assert 'has id -5' in message
 """,
+    "docs/serving.md": """
+assert pooled.shape == (2, 8) and len(table) == 1
+assert torch.equal(pooled[1], table.weights(torch.tensor([7, 5])).sum(0)) and not table.weights(torch.tensor([7])).any()
+""",
     "docs/design.md": """
 assert slots.tolist() == [0, 1, 0]
 assert rows.shape == (2, 136)

@@ -1,0 +1,111 @@
+"""Serving (issue 31), first part: one served table. After any sequence of updates and deletes,
+every id reads its last row (exactly in fp32, within fp16's rounding, within the bound of int8
+row-wise quantization) and an id without a row reads the default, never another id's row;
+lookups through fbgemm's inference op pool as a reference over those rows does."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from torchrec_kvzch.serving import ServedTable, decode, encode
+
+
+def reference_bags(rows: torch.Tensor, offsets: torch.Tensor, pooling: str, weights=None) -> torch.Tensor:
+    if weights is not None:
+        rows = rows * weights[:, None]
+    if pooling == "none":
+        return rows
+    bags = [rows[a:b].sum(0) if b > a else torch.zeros(rows.shape[1]) for a, b in zip(offsets[:-1], offsets[1:])]
+    out = torch.stack(bags)
+    if pooling == "mean":
+        out = out / (offsets[1:] - offsets[:-1]).clamp(min=1)[:, None]
+    return out
+
+
+def int8_bound(w: torch.Tensor) -> torch.Tensor:
+    """Per row: half a quantization step, plus the fp16 rounding of the scale (over 255 steps)
+    and of the bias."""
+    lo, hi = w.min(1).values, w.max(1).values
+    step = (hi - lo) / 255
+    return step * (0.5 + 255 * 2**-11) + lo.abs() * 2**-11 + 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8"])
+def test_encode_decode_is_exact_or_within_the_dtype_bound(dtype):
+    w = torch.randn(64, 16) * torch.logspace(-3, 2, 64)[:, None]
+    got = decode(encode(w, dtype), dtype)
+    if dtype == "fp32":
+        assert torch.equal(got, w)
+    elif dtype == "fp16":
+        assert torch.equal(got, w.half().float())
+    else:
+        assert ((got - w).abs() <= int8_bound(w)[:, None]).all()
+
+
+ops = st.lists(st.tuples(st.sampled_from(["upsert", "delete"]),
+                         st.lists(st.integers(0, 60), min_size=1, max_size=25, unique=True)),
+               min_size=1, max_size=12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=ops, dtype=st.sampled_from(["fp32", "fp16", "int8"]), pooling=st.sampled_from(["sum", "mean", "none"]),
+       default=st.booleans(), weighted=st.booleans(), seed=st.integers(0, 2**16))
+def test_after_any_updates_every_id_reads_its_last_row_or_the_default(ops, dtype, pooling, default, weighted, seed):
+    gen = torch.Generator().manual_seed(seed)
+    dim = 8
+    default_row = torch.randn(dim, generator=gen) if default else None
+    table = ServedTable("t", dim, dtype, pooling, default_row=default_row, capacity=4)
+    truth: dict[int, torch.Tensor] = {}
+    for op, ids in ops:
+        if op == "upsert":
+            rows = torch.randn(len(ids), dim, generator=gen)
+            table.upsert(torch.tensor(ids), rows)
+            truth.update(zip(ids, decode(encode(rows, dtype), dtype)))
+        else:
+            assert table.delete(torch.tensor(ids)) == len(truth.keys() & set(ids))
+            for i in ids:
+                truth.pop(i, None)
+    assert len(table) == len(truth)
+    absent = decode(encode((default_row if default else torch.zeros(dim)).view(1, -1), dtype), dtype)[0]
+    query = torch.randint(0, 70, (30,), generator=gen)
+    expected = torch.stack([truth.get(int(i), absent) for i in query])
+    assert torch.equal(table.weights(query), expected)
+    offsets = torch.tensor([0, 0, 7, 19, 30])  # an empty bag too
+    weights = torch.rand(30, generator=gen) if weighted and pooling != "none" else None
+    got = table.lookup(query, offsets, weights)
+    torch.testing.assert_close(got, reference_bags(expected, offsets, pooling, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_survive_growth_and_deletes_move_no_other_row():
+    table = ServedTable("t", 4, "fp32")
+    ids = torch.arange(0, 5000) * 7919 + 2**40
+    rows = torch.arange(5000 * 4, dtype=torch.float32).view(5000, 4)
+    for chunk in range(0, 5000, 1000):  # past the reservation: the rows buffer grows
+        table.upsert(ids[chunk:chunk + 1000], rows[chunk:chunk + 1000])
+    gone = ids[::3]
+    assert table.delete(torch.cat([gone, torch.tensor([12345])])) == gone.numel()  # an absent id: ignored
+    kept = torch.ones(5000, dtype=torch.bool)
+    kept[::3] = False
+    assert torch.equal(table.weights(ids[kept]), rows[kept])
+    assert torch.equal(table.weights(gone), torch.zeros(gone.numel(), 4))
+    assert table.nbytes >= len(table) * table.row_bytes
+
+
+def test_bad_input_names_the_table_and_changes_nothing():
+    table = ServedTable("user", 8, "int8")
+    table.upsert(torch.tensor([1, 2]), torch.ones(2, 8))
+    before = table.rows[: len(table) + 1].clone()
+    for ids, rows, match in [
+        (torch.tensor([3, 3]), torch.ones(2, 8), "served table 'user': an update names an id twice"),
+        (torch.tensor([4]), torch.ones(1, 6), r"served table 'user': 1 ids with weights of shape \[1, 6\]"),
+        (torch.tensor([-4]), torch.ones(1, 8), "non-negative"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            table.upsert(ids, rows)
+    assert len(table) == 2 and torch.equal(table.rows[: len(table) + 1], before)
+    with pytest.raises(ValueError, match="served table 'user': dtype 'int4' is not served; use one of fp32, fp16, int8"):
+        ServedTable("user", 8, "int4")
+    with pytest.raises(ValueError, match="embedding_dim 7 is odd"):
+        ServedTable("user", 7, "int8")
+    with pytest.raises(ValueError, match="per-sample weights need a pooled table"):
+        ServedTable("user", 8, pooling="none").lookup(torch.tensor([1]), torch.tensor([0, 1]), torch.ones(1))

@@ -109,3 +109,45 @@ def test_bad_input_names_the_table_and_changes_nothing():
         ServedTable("user", 7, "int8")
     with pytest.raises(ValueError, match="per-sample weights need a pooled table"):
         ServedTable("user", 8, pooling="none").lookup(torch.tensor([1]), torch.tensor([0, 1]), torch.ones(1))
+
+
+@settings(max_examples=20, deadline=None)
+@given(stored=st.lists(st.integers(0, 2**62), max_size=300, unique=True),
+       erased=st.lists(st.integers(0, 299), max_size=50), extra=st.lists(st.integers(0, 2**62), max_size=50))
+def test_the_native_served_row_op_agrees_with_the_torch_id_map(stored, erased, extra):
+    """``kvzch::served_rows`` (one pass: slot + 1, or 0) reads the rows the torch id map finds."""
+    from torchrec_kvzch import native_status
+    from torchrec_kvzch.table.id_map import IdMap
+    if not native_status():
+        pytest.skip("the native op is not built here")
+    maps = [IdMap("native"), IdMap("torch")]
+    for m in maps:
+        m.find_or_insert(torch.tensor(stored, dtype=torch.long))
+        m.erase(torch.tensor([stored[i] for i in erased if i < len(stored)], dtype=torch.long))
+    query = torch.tensor(stored + extra, dtype=torch.long)
+    native, reference = torch.ops.kvzch.served_rows(maps[0].table, query), maps[1].find(query) + 1
+    assert torch.equal(native, reference)
+
+
+def test_the_served_row_op_exports():
+    """With its Meta kernel, the id -> row step traces into an exported program that runs as
+    eager does (the served model's export builds on it)."""
+    from torchrec_kvzch import native_status
+    if not native_status():
+        pytest.skip("the native op is not built here")
+    table = ServedTable("t", 4)
+    table.upsert(torch.tensor([11, 22, 33]), torch.randn(3, 4))
+
+    class Rows(torch.nn.Module):
+        def __init__(self, id_map_table):
+            super().__init__()
+            self.register_buffer("map", id_map_table)
+
+        def forward(self, ids):
+            return torch.ops.kvzch.served_rows(self.map, ids)
+
+    ids = torch.tensor([33, 5, 11, 22, 7])
+    program = torch.export.export(Rows(table.id_map.table), (ids,),
+                                  dynamic_shapes=({0: torch.export.Dim("n", min=2)},))
+    assert torch.equal(program.module()(ids), table.slots(ids))
+    assert torch.equal(program.module()(ids[:3]), torch.tensor([3, 0, 1]))

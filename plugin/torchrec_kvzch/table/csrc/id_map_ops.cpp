@@ -46,16 +46,29 @@ int64_t probe_each(const Entry* t, uint64_t mask, const at::Tensor& ids, int64_t
   return b == std::numeric_limits<int64_t>::max() ? -1 : b;
 }
 
-// Position of each id in the table, or -1 where the id is absent.
-at::Tensor probe(const at::Tensor& table, const at::Tensor& ids) {
+// f(entries, position or -1) of every id, any id allowed.
+template <typename F>
+at::Tensor map_probes(const at::Tensor& table, const at::Tensor& ids, F f) {
   check_ids(ids);
   auto [t, mask] = entries(table);
   auto out = at::empty_like(ids);
   int64_t* o = out.data_ptr<int64_t>();
   std::atomic<int64_t> absent{0};
   probe_each(t, mask, ids, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(),
-             [o](int64_t i, int64_t pos) { o[i] = pos; }, absent);
+             [o, t = t, &f](int64_t i, int64_t pos) { o[i] = f(t, pos); }, absent);
   return out;
+}
+
+// Position of each id in the table, or -1 where the id is absent.
+at::Tensor probe(const at::Tensor& table, const at::Tensor& ids) {
+  return map_probes(table, ids, [](const Entry*, int64_t pos) { return pos; });
+}
+
+// The served row of each id (serving/table.py): its slot + 1, or 0 (the default row) where
+// it is absent. One tensor out and nothing else, so that it exports (its Meta kernel below).
+at::Tensor served_rows(const at::Tensor& table, const at::Tensor& ids) {
+  return map_probes(table, ids,
+                    [](const Entry* t, int64_t pos) { return pos >= 0 ? t[pos].slot + 1 : int64_t{0}; });
 }
 
 // Slot of each id (-1 where absent), the index of the first id outside [lo, hi) (-1 if none),
@@ -280,6 +293,8 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
   return {out, -1, next_slot[chunks]};
 }
 
+at::Tensor served_rows_meta(const at::Tensor& table, const at::Tensor& ids) { return at::empty_like(ids); }
+
 }  // namespace
 }  // namespace kvzch
 
@@ -287,4 +302,7 @@ TORCH_LIBRARY_IMPL(kvzch, CPU, m) {
   m.impl("probe", &kvzch::probe);
   m.impl("lookup", &kvzch::lookup);
   m.impl("find_or_insert", &kvzch::find_or_insert);
+  m.impl("served_rows", &kvzch::served_rows);
 }
+
+TORCH_LIBRARY_IMPL(kvzch, Meta, m) { m.impl("served_rows", &kvzch::served_rows_meta); }

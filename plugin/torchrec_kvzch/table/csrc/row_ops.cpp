@@ -181,6 +181,7 @@ TORCH_LIBRARY(kvzch, m) {
   m.def("release_pages(Tensor(a!) buffer, int start, int end) -> ()", &kvzch::release_pages);
   m.def("probe(Tensor table, Tensor ids) -> Tensor");
   m.def("lookup(Tensor table, Tensor ids, int lo, int hi) -> (Tensor, int, int)");
+  m.def("served_rows(Tensor table, Tensor ids) -> Tensor");
   m.def(
       "find_or_insert(Tensor(a!) table, Tensor(b!) slot_keys, Tensor ids, int lo, int hi, int size, "
       "bool lookup_first) -> (Tensor, int, int)");

@@ -32,6 +32,7 @@ import torch
 
 from _common import write_results
 from torchrec_kvzch import AdmissionPolicy
+from torchrec_kvzch.job.report import read_jsonl
 from torchrec_kvzch.table.admission import Admission
 
 RUNS = {"none": None, "min2": "count:2:trainable", "min5": "count:5:trainable"}
@@ -43,8 +44,7 @@ def train(run_dir: Path, admission: str | None, args) -> tuple[dict, list[dict]]
            "--population", str(args.population), "--new-id-fraction", str(args.new_id_fraction),
            "--log-every", "10", "--run-dir", str(run_dir)]
     subprocess.run(cmd + (["--admission", admission] if admission else []), check=True)
-    lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    metrics = [m for m in lines if m["kind"] == "train"]  # (not the evaluations)
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["kind"] == "train"]  # (not the evaluations)
     return json.loads((run_dir / "summary.json").read_text()), metrics
 
 

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from _common import write_results
 from bench_checkpoint import build
+from torchrec_kvzch.job.report import read_jsonl
 
 FRACTIONS = {"1pct": 0.01, "10pct": 0.10, "50pct": 0.50}
 BATCH = 1 << 16  # ids per training step
@@ -122,8 +123,7 @@ def job_run(tmp: Path, every: int, saves: int) -> dict:
                     "--steps", str(every * saves), "--checkpoint-every", "0", "--incremental-every", str(every),
                     "--keep", str(saves), "--log-every", str(every), "--run-dir", str(run)], check=True)
     summary = json.loads((run / "summary.json").read_text())
-    live = {m["step"]: sum(m["live_rows"].values()) for m in map(json.loads, (run / "metrics.jsonl").open())
-            if m["kind"] == "train"}
+    live = {m["step"]: sum(m["live_rows"].values()) for m in read_jsonl(run / "metrics.jsonl") if m["kind"] == "train"}
     chain, sizes = summary["checkpoint_chain"], summary["checkpoint_chain_bytes"]
     assert len(chain) == saves, chain
     fractions = []

@@ -12,17 +12,23 @@ except PackageNotFoundError:  # imported from a source tree on PYTHONPATH (the o
 SUPPORTED_STACKS = (("2.13", "1.8", "1.8"), ("2.11", "1.6", "1.6"))
 
 
-def installed_stack() -> tuple[str, str, str]:
-    """torch, fbgemm-gpu (either build) and torchrec as installed, each "major.minor"."""
-    def minor(*names: str) -> str:
+def installed_versions() -> dict[str, str | None]:
+    """torch, fbgemm-gpu (either build) and torchrec as installed, full versions (None: absent)."""
+    def first(*names: str) -> str | None:
         for name in names:
             try:
-                return ".".join(version(name).split("+")[0].split(".")[:2])
+                return version(name)
             except PackageNotFoundError:
                 continue
-        return "none"
+        return None
 
-    return minor("torch"), minor("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm-gpu-nightly"), minor("torchrec")
+    return {"torch": first("torch"), "fbgemm_gpu": first("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm-gpu-nightly"),
+            "torchrec": first("torchrec")}
+
+
+def installed_stack() -> tuple[str, str, str]:
+    """torch, fbgemm-gpu and torchrec as installed, each "major.minor" ("none": absent)."""
+    return tuple(".".join(v.split("+")[0].split(".")[:2]) if v else "none" for v in installed_versions().values())
 
 
 def check_stack() -> bool:
@@ -97,5 +103,5 @@ __all__ = [
     "CheckpointError", "CheckpointManager", "KVZCHAsyncStager", "KVZCHFileSystemWriter", "KVZCHLoadPlanner",
     "KVZCHSavePlanner",
     # the stack
-    "SUPPORTED_STACKS", "check_stack", "installed_stack",
+    "SUPPORTED_STACKS", "check_stack", "installed_stack", "installed_versions",
 ]

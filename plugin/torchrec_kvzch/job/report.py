@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torchrec_kvzch
@@ -15,17 +14,8 @@ import torchrec_kvzch
 
 def versions() -> dict[str, str]:
     """The stack the run used."""
-    def installed(*names: str) -> str:
-        for name in names:
-            try:
-                return version(name)
-            except PackageNotFoundError:
-                continue
-        return "not installed"
-
-    return {"torchrec_kvzch": torchrec_kvzch.__version__, "torch": installed("torch"),
-            "fbgemm_gpu": installed("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm-gpu-nightly"),
-            "torchrec": installed("torchrec")}
+    stack = {name: v or "not installed" for name, v in torchrec_kvzch.installed_versions().items()}
+    return {"torchrec_kvzch": torchrec_kvzch.__version__, **stack}
 
 
 def read_jsonl(path: Path) -> list[dict]:

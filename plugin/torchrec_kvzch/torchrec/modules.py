@@ -150,9 +150,11 @@ class _KVZCHModuleMixin:
 
     _configs_attr: str  # the instance attribute listing the module's table configs
     _tables_prefix: str  # where tables sit in the state dict ("embedding_bags." / "embeddings.")
+    _built = False  # until TorchRec's __init__, which copies the unsharded module's state, is over
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._built = True
         # TorchRec leaves CUSTOMIZED_KERNEL tables out of its state dict; ours add them.
         self._register_state_dict_hook(_add_kvzch_entries)
         self._register_load_state_dict_pre_hook(_take_kvzch_entries, with_module=True)
@@ -168,7 +170,7 @@ class _KVZCHModuleMixin:
         return {t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == STORE_KERNEL}
 
     def load_state_dict(self, state_dict, *args, **kwargs):
-        if "_check_batch" not in self.__dict__:  # TorchRec's __init__, copying the unsharded module
+        if not self._built:  # TorchRec's __init__, copying the unsharded module
             keys = {f"{self._tables_prefix}{t}.weight" for t in self._kvzch_tables()}
             state_dict = without_kvzch_weights(state_dict, keys)
         return super().load_state_dict(state_dict, *args, **kwargs)

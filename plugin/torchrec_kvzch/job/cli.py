@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=300.0, help="collectives give up after this long")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
-    p.add_argument("--summary", default=None, help="this run's summary JSON (default <run-dir>/summary.json; every run's summary is "
+    p.add_argument("--summary", default=None,
+                   help="this run's summary JSON (default <run-dir>/summary.json; every run's summary is "
                         "also appended to <run-dir>/runs.jsonl)")
     p.add_argument("--admission", default=None, metavar="KIND:VALUE[:DEFAULT]",
                    help="admission for every KV-ZCH table, over the config's: count:MIN_COUNT or "

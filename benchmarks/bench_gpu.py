@@ -67,6 +67,34 @@ def map_ms(tbe, universe, batch: int, pooling: int, dist: str, reps: int) -> tup
             device_ms(lambda: tbe.store.find(next(again)), universe.device, reps))
 
 
+def profile(tbe, baseline, universe, batch: int, pooling: int, dist: str, path: Path) -> None:
+    """torch.profiler's table of ours and TBE's training steps on one case: which kernels and
+    host calls (syncs, copies, launches) the gap is made of."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    device = universe.device
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    offsets = torch.arange(0, batch * pooling + 1, pooling, dtype=torch.long, device=device)
+    tables = []
+    for name, module, global_ids in (("ours", tbe, True), ("fbgemm TBE", baseline, False)):
+        steps = [local.to(device) for local in batches(universe.numel(), batch, pooling, dist, 8, seed=5)]
+        steps = [universe[local] if global_ids else local for local in steps]
+        for inputs in steps[:3]:  # warm up
+            module(inputs, offsets).sum().backward()
+        sync(device)
+        with torch_profile(activities=activities) as prof:
+            for inputs in steps[3:]:
+                module(inputs, offsets).sum().backward()
+            sync(device)
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        tables.append(f"## {name}: 5 training steps, batch {batch}, {dist}\n"
+                      + prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(tables) + "\n")
+
+
 def id_map_rates(universe: torch.Tensor, reps: int) -> dict:
     """find and find_or_insert (20% new ids) on a map holding ``universe``, in keys/s."""
     m = IdMap("auto", universe.device)
@@ -132,6 +160,8 @@ def single_gpu(args, device: torch.device) -> dict:
                                 f"ratio_{case}": r["ratio"]})
                 results[f"map_ms_{case}"], results[f"find_ms_{case}"] = map_ms(
                     tbe, universe, batch, args.pooling, dist, args.steps)
+                if args.profile and (rows, batch, dist) == (args.rows[0], args.batches[0], DISTS[0]):
+                    profile(tbe, baseline, universe, batch, args.pooling, dist, args.profile)
         if rows == args.rows[-1]:
             results.update(id_map_rates(universe, args.steps))
         del tbe, baseline, universe
@@ -146,6 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--profile", type=Path, help="torch.profiler tables of the first case")
     parser.add_argument("--dmp", action="store_true", help="the DMP comparison, under torchrun")
     parser.add_argument("--rows", nargs="+", type=int, default=[1_000_000, 10_000_000])
     parser.add_argument("--batches", nargs="+", type=int, default=[65_536, 8_192])

@@ -3,7 +3,7 @@
 # in .gpu/ (make gpu-kit):   tools/gpu/check.sh OUT
 #   1. the GPU's name, the kit's setup                          -> OUT/gpu.log (everything)
 #   2. the CUDA kernel tests (stops here if they fail), the rest -> OUT/kernel.xml, OUT/cuda.xml
-#   3. benchmarks/bench_gpu.py against fbgemm's CUDA TBE         -> OUT/gpu.json, OUT/gpu.png
+#   3. benchmarks/bench_gpu.py against fbgemm's CUDA TBE     -> OUT/gpu.json, OUT/gpu.png, gpu_profile.txt
 #   4. the job under torchrun with NCCL: train, checkpoint, resume on the GPU and on 2 CPU
 #      processes, predictions compared                          -> OUT/job.json
 #   5. bench_gpu.py --dmp under torchrun                         -> OUT/gpu_dmp.json
@@ -65,7 +65,8 @@ fi
 pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts=-ra)
 stage "kernel tests" 150 "${pytest[@]}" tests/test_cuda.py -k kernel --junitxml="$out/kernel.xml" || finish
 stage "CUDA tests" 200 "${pytest[@]}" tests/test_cuda.py -k "not kernel" --junitxml="$out/cuda.xml"
-stage "benchmark" 170 "$py" benchmarks/bench_gpu.py "${bench[@]}" --json "$out/gpu.json" --plot "$out/gpu.png"
+stage "benchmark" 170 "$py" benchmarks/bench_gpu.py "${bench[@]}" --json "$out/gpu.json" --plot "$out/gpu.png" \
+  --profile "$out/gpu_profile.txt"
 
 job() {  # train 40 steps with checkpoints, resume from step 40 on this device and on 2 CPU ranks
   local common=(--config quickstart --global-batch-size 2048 --checkpoint-every 20 --log-every 10)

@@ -2,7 +2,7 @@
 
     python tools/gpu/report.py RUN      # RUN: the folder check.sh wrote (its OUT)
 
-Copies the run's ``gpu.json``, ``gpu.png``, ``gpu_dmp.json`` and ``job.json`` (as ``gpu_job.json``)
+Copies the run's ``gpu.json``, ``gpu.png``, ``gpu_dmp.json``, ``gpu_profile.txt`` and ``job.json`` (as ``gpu_job.json``)
 into ``docs/benchmarks/``, writes ``docs/benchmarks/gpu_run.json`` (when, which commit, on which
 GPU, and the tests each JUnit file counted) and rewrites the table between the ``gpu:table``
 markers of ``docs/gpu.md`` from those files.
@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "benchmarks"
 PAGE = ROOT / "docs" / "gpu.md"
 MARKERS = ("<!-- gpu:table:start -->", "<!-- gpu:table:end -->")
-COPIES = {"gpu.json": "gpu.json", "gpu.png": "gpu.png", "gpu_dmp.json": "gpu_dmp.json", "job.json": "gpu_job.json"}
+COPIES = {"gpu.json": "gpu.json", "gpu.png": "gpu.png", "gpu_dmp.json": "gpu_dmp.json", "job.json": "gpu_job.json",
+          "gpu_profile.txt": "gpu_profile.txt"}
 TARGET, TARGET_BATCH = 0.7, 65_536
 
 
@@ -75,6 +76,24 @@ def table(record: dict, bench: dict, dmp: dict, job: dict) -> str:
     return "\n".join(lines)
 
 
+def profile_line(text: str, case: str) -> str:
+    """One sentence from ``gpu_profile.txt`` (bench_gpu profiles its first ``case``): device and
+    host time per step, ours and TBE's."""
+    sections = [part for part in text.split("## ") if part.strip()]
+    per_step = []
+    for part in sections:
+        title = part.splitlines()[0]
+        steps = int(re.search(r"(\d+) training steps", title).group(1))
+        cpu = float(re.search(r"Self CPU time total: ([\d.]+)ms", part).group(1)) / steps
+        gpu = float(re.search(r"Self CUDA time total: ([\d.]+)ms", part).group(1)) / steps
+        per_step.append((cpu, gpu))
+    (ours_cpu, ours_gpu), (tbe_cpu, tbe_gpu) = per_step
+    return (f"Under torch's profiler (`gpu_profile.txt`, case `{case}`) "
+            f"a step keeps the GPU busy {ours_gpu:.2f} ms for ours and {tbe_gpu:.2f} ms for TBE "
+            f"(kernels alone: a ratio of {tbe_gpu / ours_gpu:.2f}); the host spends {ours_cpu:.2f} ms "
+            f"and {tbe_cpu:.2f} ms on it (profiled, so slower than unprofiled).")
+
+
 def _ms(value) -> str:
     return "" if value is None else f"{value:.2f}"
 
@@ -88,6 +107,9 @@ def main() -> int:
     (DOCS / "gpu_run.json").write_text(json.dumps(record, indent=1) + "\n")
     load = {name: json.loads((DOCS / name).read_text()) for name in ("gpu.json", "gpu_dmp.json", "gpu_job.json")}
     text = table(record, load["gpu.json"], load["gpu_dmp.json"], load["gpu_job.json"])
+    if (DOCS / "gpu_profile.txt").exists():
+        text += "\n\n" + profile_line((DOCS / "gpu_profile.txt").read_text(),
+                                     next(k for k in load["gpu.json"] if k.startswith("ratio_"))[len("ratio_"):])
     page = PAGE.read_text()
     start, end = (page.index(m) for m in MARKERS)
     PAGE.write_text(page[: start + len(MARKERS[0])] + "\n" + text + "\n" + page[end:])

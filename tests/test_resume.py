@@ -306,14 +306,8 @@ def _damage(pristine: str, root: str, name: str, how: str) -> tuple[str, str, st
                  key=lambda i: (i.fqn, tuple(i.offset or ())))
     info = storage[index]
     target = os.path.join(path, info.relative_path)
-    if how == "flip a bit":  # in the middle of the item's payload, not in zip padding
-        with open(target, "r+b") as f:
-            f.seek(info.offset)
-            at = info.offset + _payload_middle(f.read(info.length))
-            f.seek(at)
-            byte = f.read(1)
-            f.seek(at)
-            f.write(bytes([byte[0] ^ 0x10]))
+    if how == "flip a bit":
+        flip_a_bit(target, info)
     elif how == "truncate the tail":
         os.truncate(target, os.path.getsize(target) - 64)
     elif how == "truncate the middle":
@@ -321,6 +315,18 @@ def _damage(pristine: str, root: str, name: str, how: str) -> tuple[str, str, st
     elif how == "delete the file":
         os.remove(target)
     return path, target, index.fqn
+
+
+def flip_a_bit(path: str, info) -> None:
+    """Flip a bit in the middle of the payload of the saved item at ``info`` (its offset and
+    length in ``path``), not in zip padding."""
+    with open(path, "r+b") as f:
+        f.seek(info.offset)
+        at = info.offset + _payload_middle(f.read(info.length))
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
 
 
 def _payload_middle(item: bytes) -> int:

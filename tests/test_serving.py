@@ -47,14 +47,19 @@ ops = st.lists(st.tuples(st.sampled_from(["upsert", "delete"]),
                min_size=1, max_size=12)
 
 
+DEFAULT_STARTS = {0: None, 1: [0], 3: [0, 20, 45]}  # declared default rows -> the ids each serves from
+
+
 @settings(max_examples=40, deadline=None)
 @given(ops=ops, dtype=st.sampled_from(["fp32", "fp16", "int8"]), pooling=st.sampled_from(["sum", "mean", "none"]),
-       default=st.booleans(), weighted=st.booleans(), seed=st.integers(0, 2**16))
-def test_after_any_updates_every_id_reads_its_last_row_or_the_default(ops, dtype, pooling, default, weighted, seed):
+       defaults=st.sampled_from(sorted(DEFAULT_STARTS)), weighted=st.booleans(), seed=st.integers(0, 2**16))
+def test_after_any_updates_every_id_reads_its_last_row_or_the_default(ops, dtype, pooling, defaults, weighted, seed):
     gen = torch.Generator().manual_seed(seed)
     dim = 8
-    default_row = torch.randn(dim, generator=gen) if default else None
-    table = ServedTable("t", dim, dtype, pooling, default_row=default_row, capacity=4)
+    default_rows = torch.randn(defaults, dim, generator=gen) if defaults else None
+    starts = DEFAULT_STARTS[defaults]
+    table = ServedTable("t", dim, dtype, pooling, default_rows=default_rows, capacity=4,
+                        default_starts=None if starts is None else torch.tensor(starts))
     truth: dict[int, torch.Tensor] = {}
     for op, ids in ops:
         if op == "upsert":
@@ -66,9 +71,10 @@ def test_after_any_updates_every_id_reads_its_last_row_or_the_default(ops, dtype
             for i in ids:
                 truth.pop(i, None)
     assert len(table) == len(truth)
-    absent = decode(encode((default_row if default else torch.zeros(dim)).view(1, -1), dtype), dtype)[0]
+    absent = decode(encode(default_rows if defaults else torch.zeros(1, dim), dtype), dtype)
+    which = (lambda i: 0) if starts is None else (lambda i: max(r for r, start in enumerate(starts) if i >= start))
     query = torch.randint(0, 70, (30,), generator=gen)
-    expected = torch.stack([truth.get(int(i), absent) for i in query])
+    expected = torch.stack([truth.get(int(i), absent[which(int(i))]) for i in query])
     assert torch.equal(table.weights(query), expected)
     offsets = torch.tensor([0, 0, 7, 19, 30])  # an empty bag too
     weights = torch.rand(30, generator=gen) if weighted and pooling != "none" else None
@@ -94,28 +100,55 @@ def test_rows_survive_growth_and_deletes_move_no_other_row():
 def test_bad_input_names_the_table_and_changes_nothing():
     table = ServedTable("user", 8, "int8")
     table.upsert(torch.tensor([1, 2]), torch.ones(2, 8))
-    before = table.rows[: len(table) + 1].clone()
+    before = table.rows[: len(table) + table.defaults].clone()
     for ids, rows, match in [
         (torch.tensor([3, 3]), torch.ones(2, 8), "served table 'user': an update names an id twice"),
         (torch.tensor([4]), torch.ones(1, 6), r"served table 'user': 1 ids with weights of shape \[1, 6\]"),
-        (torch.tensor([-4]), torch.ones(1, 8), "non-negative"),
+        (torch.tensor([-4]), torch.ones(1, 8), r"served table .user.: id -4 \(position 0"),
     ]:
         with pytest.raises(ValueError, match=match):
             table.upsert(ids, rows)
-    assert len(table) == 2 and torch.equal(table.rows[: len(table) + 1], before)
+    assert len(table) == 2 and torch.equal(table.rows[: len(table) + table.defaults], before)
     with pytest.raises(ValueError, match="served table 'user': dtype 'int4' is not served; use one of fp32, fp16, int8"):
         ServedTable("user", 8, "int4")
     with pytest.raises(ValueError, match="embedding_dim 7 is odd"):
         ServedTable("user", 7, "int8")
     with pytest.raises(ValueError, match="per-sample weights need a pooled table"):
         ServedTable("user", 8, pooling="none").lookup(torch.tensor([1]), torch.tensor([0, 1]), torch.ones(1))
+    with pytest.raises(ValueError, match=r"default rows of shape \[2, 8\] for 1 default start"):
+        ServedTable("user", 8, default_rows=torch.ones(2, 8))
+    with pytest.raises(ValueError, match=r"default_starts \[5, 3\] must ascend from the first id served, 5"):
+        ServedTable("user", 8, default_rows=torch.ones(2, 8), default_starts=torch.tensor([5, 3]), id_range=(5, 9))
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_a_replica_refuses_ids_outside_its_range_by_table_and_position(backend, monkeypatch):
+    """A replica of some buckets serves their ids only: another id is a routing error, not a
+    default row (it would silently read zeros)."""
+    from torchrec_kvzch import native_status
+    if backend == "native" and not native_status():
+        pytest.skip("the native op is not built here")
+    table = ServedTable("item", 4, id_range=(100, 200))
+    if backend == "torch":
+        from torchrec_kvzch.table.id_map import IdMap
+        table.id_map = IdMap("torch")
+    table.upsert(torch.tensor([150]), torch.ones(1, 4))
+    for ids, bad, pos in ([150, 99, 151], 99, 1), ([200], 200, 0):
+        with pytest.raises(ValueError, match=rf"served table 'item': id {bad} \(position {pos} of the batch\) "
+                                             r"is outside the ids this table serves, \[100, 200\)"):
+            table.lookup(torch.tensor(ids), torch.tensor([0, len(ids)]))
+    with pytest.raises(ValueError, match="served table 'item': id 7 "):
+        table.upsert(torch.tensor([7]), torch.ones(1, 4))
+    assert torch.equal(table.weights(torch.tensor([150, 151])), torch.tensor([[1.0] * 4, [0.0] * 4]))
 
 
 @settings(max_examples=20, deadline=None)
 @given(stored=st.lists(st.integers(0, 2**62), max_size=300, unique=True),
-       erased=st.lists(st.integers(0, 299), max_size=50), extra=st.lists(st.integers(0, 2**62), max_size=50))
-def test_the_native_served_row_op_agrees_with_the_torch_id_map(stored, erased, extra):
-    """``kvzch::served_rows`` (one pass: slot + 1, or 0) reads the rows the torch id map finds."""
+       erased=st.lists(st.integers(0, 299), max_size=50), extra=st.lists(st.integers(0, 2**62), max_size=50),
+       starts=st.lists(st.integers(1, 2**62), max_size=4, unique=True))
+def test_the_native_served_row_op_agrees_with_the_torch_id_map(stored, erased, extra, starts):
+    """``kvzch::served_rows`` (one pass: slot + k, or the default of the id's range) reads the
+    rows the torch id map finds."""
     from torchrec_kvzch import native_status
     from torchrec_kvzch.table.id_map import IdMap
     if not native_status():
@@ -125,7 +158,10 @@ def test_the_native_served_row_op_agrees_with_the_torch_id_map(stored, erased, e
         m.find_or_insert(torch.tensor(stored, dtype=torch.long))
         m.erase(torch.tensor([stored[i] for i in erased if i < len(stored)], dtype=torch.long))
     query = torch.tensor(stored + extra, dtype=torch.long)
-    native, reference = torch.ops.kvzch.served_rows(maps[0].table, query), maps[1].find(query) + 1
+    starts = torch.tensor([0] + sorted(starts), dtype=torch.long)
+    native = torch.ops.kvzch.served_rows(maps[0].table, query, starts, 0, 2**63 - 1, "t")
+    slots = maps[1].find(query)
+    reference = torch.where(slots >= 0, slots + starts.numel(), torch.searchsorted(starts, query, right=True) - 1)
     assert torch.equal(native, reference)
 
 
@@ -139,15 +175,18 @@ def test_the_served_row_op_exports():
     table.upsert(torch.tensor([11, 22, 33]), torch.randn(3, 4))
 
     class Rows(torch.nn.Module):
-        def __init__(self, id_map_table):
+        def __init__(self, id_map_table, starts):
             super().__init__()
             self.register_buffer("map", id_map_table)
+            self.register_buffer("starts", starts)
 
         def forward(self, ids):
-            return torch.ops.kvzch.served_rows(self.map, ids)
+            return torch.ops.kvzch.served_rows(self.map, ids, self.starts, 0, 100, "t")
 
     ids = torch.tensor([33, 5, 11, 22, 7])
-    program = torch.export.export(Rows(table.id_map.table), (ids,),
+    program = torch.export.export(Rows(table.id_map.table, table.default_starts), (ids,),
                                   dynamic_shapes=({0: torch.export.Dim("n", min=2)},))
     assert torch.equal(program.module()(ids), table.slots(ids))
     assert torch.equal(program.module()(ids[:3]), torch.tensor([3, 0, 1]))
+    with pytest.raises(ValueError, match=r"served table 't': id 100 \(position 1 of the batch\)"):
+        program.module()(torch.tensor([33, 100]))

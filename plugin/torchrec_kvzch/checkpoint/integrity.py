@@ -57,7 +57,7 @@ def checksum(data: torch.Tensor | io.BytesIO, algorithm: str = SAVE_ALGORITHM) -
     return update(data.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _key(index: MetadataIndex) -> str:
+def item_key(index: MetadataIndex) -> str:
     offset = ",".join(map(str, index.offset)) if index.offset is not None else ""
     return f"{index.fqn}@{offset}"
 
@@ -77,7 +77,7 @@ class ChecksumRecorder:
     def add(self, index: MetadataIndex, data: torch.Tensor | io.BytesIO) -> None:
         value = checksum(data)
         with self._lock:
-            self._sums[_key(index)] = value
+            self._sums[item_key(index)] = value
 
     def write(self) -> None:
         if not os.path.isdir(self.directory):
@@ -106,11 +106,11 @@ def verify_items(directory: str, metadata: Metadata, indices: Iterable[MetadataI
     """Read each saved item in ``indices`` and compare it with the checksum recorded at save;
     raise ``ValueError`` naming the file and the entry at the first mismatch. Tensors whose
     values ``files`` can read raw are checksummed from the file, without deserialising them."""
-    recorded = _recorded(directory, checksum_files)
+    recorded = recorded_checksums(directory, checksum_files)
     reader = _reader(directory, metadata)
     for index in indices:  # one at a time: the load's memory bound holds here too
         where = os.path.join(directory, metadata.storage_data[index].relative_path)
-        want = recorded.get(_key(index))
+        want = recorded.get(item_key(index))
         if want is None:
             raise ValueError(f"{directory} has no checksum for {describe(index.fqn)} (in {where}); "
                              "restore the checkpoint's kvzch_checksums_*.json files or load another "
@@ -130,7 +130,7 @@ def verify_items(directory: str, metadata: Metadata, indices: Iterable[MetadataI
                              "checksum recorded at save; restore the file or load another checkpoint")
 
 
-def _recorded(directory: str, checksum_files: list[str]) -> dict[str, tuple[str, int]]:
+def recorded_checksums(directory: str, checksum_files: list[str]) -> dict[str, tuple[str, int]]:
     """{item key: (algorithm, checksum)} of the side files, in either format."""
     recorded: dict[str, tuple[str, int]] = {}
     for name in checksum_files:

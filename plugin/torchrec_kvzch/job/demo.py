@@ -4,7 +4,9 @@
 2. resume from that checkpoint on 1 process and keep training;
 3. compare the two runs' predictions on a fixed batch at the resume point (equal, bit for bit:
    the checkpoint carried every row, optimizer state and dense weight);
-4. print a summary and write ``results/demo.json`` and the run's plot (loss, held-out AUC,
+4. serve the final checkpoint (``torchrec-kvzch-serve`` on loopback), ask it for predictions of
+   that fixed batch and compare them with the trained model's (fp32: equal);
+5. print a summary and write ``results/demo.json`` and the run's plot (loss, held-out AUC,
    live rows).
 
 Each phase is a separate ``python -m torchrec_kvzch.job.train`` invocation, as a user would run it.
@@ -17,9 +19,14 @@ import json
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
+from torchrec_kvzch.job import cli
+from torchrec_kvzch.job.data import SyntheticClickLog
 from torchrec_kvzch.job.report import format_summary, plot_metrics, read_jsonl
+from torchrec_kvzch.torchrec.config import load_config
 
 
 def run_phase(run_dir: Path, summary: Path, nproc: int, steps: int, extra: list[str]) -> dict:
@@ -28,6 +35,40 @@ def run_phase(run_dir: Path, summary: Path, nproc: int, steps: int, extra: list[
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads(summary.read_text())
+
+
+def probe_examples(config: str | None) -> list[dict]:
+    """The trainer's fixed batch (``data.probe()``, the log as the demo's runs draw it) as the
+    server's JSON examples."""
+    args = cli.parse_args(["--config", config] if config else [])
+    data = SyntheticClickLog(load_config(args.config), args.global_batch_size, args.seed, args.population,
+                             args.zipf_alpha, args.new_id_fraction)
+    batch = data.probe()
+    ids = {f: jt.values().tolist() for f, jt in batch.sparse_features.to_dict().items()}
+    return [{"dense": dense, "sparse": {f: [v[i]] for f, v in ids.items()}}
+            for i, dense in enumerate(batch.dense_features.tolist())]
+
+
+def served_predictions(run_dir: Path, config: str | None) -> tuple[dict, float]:
+    """Start ``torchrec-kvzch-serve`` on the run's checkpoints, ask it to score the fixed batch,
+    stop it; (its answer, seconds from start to the first answer)."""
+    cmd = [sys.executable, "-m", "torchrec_kvzch.job.serve", "--checkpoints", str(run_dir / "checkpoints"),
+           "--port", "0"]
+    print("$", " ".join(cmd[1:]), flush=True)
+    started = time.perf_counter()
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()  # "serving step N of DIR on http://127.0.0.1:PORT"
+        if "http://" not in line:
+            raise RuntimeError(f"torchrec-kvzch-serve did not start (exit {server.wait()}): {line.strip()}")
+        print(line.strip(), flush=True)
+        url = line.split()[-1]
+        body = json.dumps({"examples": probe_examples(config)}).encode()
+        with urllib.request.urlopen(urllib.request.Request(url + "/predict", body), timeout=120) as reply:
+            return json.loads(reply.read()), time.perf_counter() - started
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,11 +91,17 @@ def main(argv: list[str] | None = None) -> int:
 
     before, after = first["probe_final"], second["probe_after_resume"]
     max_diff = max(abs(a - b) for a, b in zip(before, after))
+    served, serve_s = served_predictions(run_dir, args.config)
+    served_diff = max(abs(a - b) for a, b in zip(served["scores"], second["probe_final"]))
     metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["kind"] == "train"]
     plot = plot_metrics(run_dir, out.with_name(out.stem + "_loss.png"))
     result = {
         "resume_predictions_equal": second["resumed_from"] == first["end_step"] and before == after,
         "max_abs_prediction_diff": max_diff,
+        "served_step": served["step"],
+        "served_predictions_equal": served["step"] == second["end_step"] and served["scores"] == second["probe_final"],
+        "served_max_abs_prediction_diff": served_diff,
+        "served_first_answer_s": serve_s,
         "probe_examples": len(before),
         "train_examples_per_s": first["train_examples_per_s"],
         "train_examples_per_s_resumed_1proc": second["train_examples_per_s"],
@@ -79,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== phase 1 ==\n" + format_summary(first))
     print("\n== phase 2 ==\n" + format_summary(second))
     verdict = "equal" if result["resume_predictions_equal"] else f"DIFFERENT (max |diff| {max_diff:.3g})"
+    served_verdict = "equal" if result["served_predictions_equal"] else f"DIFFERENT (max |diff| {served_diff:.3g})"
     print(f"\npredictions on {len(before)} fixed examples, saved model (2 processes) vs resumed model "
-          f"(1 process): {verdict}\nloss {result['loss_first']:.4f} -> {result['loss_at_resume']:.4f} "
+          f"(1 process): {verdict}\nserved (torchrec-kvzch-serve, step {served['step']}, fp32) vs trained: "
+          f"{served_verdict}\nloss {result['loss_first']:.4f} -> {result['loss_at_resume']:.4f} "
           f"(step {first['end_step']}) -> {result['loss_last']:.4f} (step {second['end_step']})\n"
           f"wrote {out} and {plot}")
-    return 0 if result["resume_predictions_equal"] else 1
+    return 0 if result["resume_predictions_equal"] and result["served_predictions_equal"] else 1
 
 
 if __name__ == "__main__":

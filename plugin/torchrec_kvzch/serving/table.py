@@ -3,9 +3,11 @@ stored as fbgemm's inference TBE reads them, ids mapped to dense slots by the id
 is one call of fbgemm's ``int_nbit_split_embedding_codegen_lookup_function`` over the table's
 own bytes: no copy, no TBE module (whose script objects do not export).
 
-Row 0 holds the default row; the id in slot ``s`` lives in row ``s + 1``. An id without a row
-maps to slot -1, hence row 0: it reads the default (zeros unless declared), never another id's
-row, and it counts in a MEAN bag's length as it would in training.
+The first ``k`` rows hold the default rows and the id in slot ``s`` lives in row ``s + k``. An
+id without a row reads a default row (zeros unless declared), never another id's row, and it
+counts in a MEAN bag's length as it would in training. There are several defaults when the
+checkpoint's ranks each trained their own (admission's trainable default row): default ``r``
+serves the absent ids from ``default_starts[r]`` on, the ids of the rank that trained it.
 
 int8 rows are fbgemm's row-wise quantization: ``[scale fp16 | bias fp16 | D x uint8]``, a value
 being ``q * scale + bias`` (``encode`` writes it with fbgemm's own quantizer, whose output has
@@ -14,12 +16,15 @@ the pair at the end of the row; the TBE reads it at the start).
 
 from __future__ import annotations
 
+import copy
+
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
 
 from torchrec_kvzch.table.id_map import IdMap, as_ids
+from torchrec_kvzch.table.initializer import uniform_by_id_torch
 from torchrec_kvzch.table.native import empty_large, native_status, regrown
 
 SERVED_DTYPES = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8}
@@ -56,12 +61,19 @@ def decode(rows: torch.Tensor, dtype: str) -> torch.Tensor:
 class ServedTable:
     """The rows of one KV-ZCH table (or of a range of its buckets) for inference.
 
-    ``default_row``: what an id without a row reads (``[dim]``; None: zeros). Updates
-    (``upsert``, ``delete``) change the table in place; a replica that must never show half an
-    update builds the next version beside this one and swaps the reference."""
+    ``default_rows``: what an id without a row reads, ``[dim]`` or ``[k, dim]`` with
+    ``default_starts`` (``[k]`` ascending ids, the first ``id_range[0]``; None: one zero row).
+    ``id_range``: the ids this table serves, ``[lo, hi)`` (a replica of some buckets serves
+    theirs); a lookup of any other id is refused. ``initial``: ``(low, high, seed)`` of the
+    trained table's initializer: an id without a row reads the id-seeded weights a row of it
+    would start with, as training's evaluation does (``RowStore.peek``), instead of a default. Updates (``upsert``, ``delete``) change the
+    table in place; a replica that must never show half an update builds the next version
+    beside this one and swaps the reference."""
 
     def __init__(self, name: str, dim: int, dtype: str = "fp32", pooling: str = "sum",
-                 default_row: torch.Tensor | None = None, capacity: int = 0) -> None:
+                 default_rows: torch.Tensor | None = None, capacity: int = 0, *,
+                 default_starts: torch.Tensor | None = None, id_range: tuple[int, int] = (0, 2**63 - 1),
+                 initial: tuple[float, float, int] | None = None) -> None:
         def fail(problem: str) -> None:
             raise ValueError(f"served table '{name}': {problem}")
 
@@ -74,13 +86,31 @@ class ServedTable:
         if dtype == "int8" and dim % 2:
             fail(f"embedding_dim {dim} is odd: int8 rows keep their fp16 scale and bias aligned, "
                  "which needs an even dim; serve this table as fp16 or fp32")
+        lo, hi = id_range
+        if not 0 <= lo < hi:
+            fail(f"id_range {id_range!r} is empty or negative; pass (lo, hi) with 0 <= lo < hi")
         self.name, self.dim, self.dtype, self.pooling = name, dim, dtype, pooling
+        self.id_range = (int(lo), int(hi))
         self.row_bytes = row_bytes(dim, dtype)
+        if default_rows is None:
+            default_rows = torch.zeros(1, dim)
+        default_rows = default_rows.reshape(-1, dim) if default_rows.numel() else default_rows
+        starts = torch.tensor([lo]) if default_starts is None else torch.as_tensor(default_starts, dtype=torch.long)
+        if tuple(default_rows.shape) != (starts.numel(), dim):
+            fail(f"default rows of shape {list(default_rows.shape)} for {starts.numel()} default start(s); "
+                 f"expected [{starts.numel()}, {dim}]")
+        if starts[0] != lo or (starts.numel() > 1 and not bool((starts[1:] > starts[:-1]).all())):
+            fail(f"default_starts {starts.tolist()} must ascend from the first id served, {lo}")
+        if initial is not None and (starts.numel() != 1 or bool(default_rows.any())):
+            fail("initial weights for ids without a row leave no room for default rows; give one or the other")
+        self.initial = None if initial is None else (float(initial[0]), float(initial[1]), int(initial[2]))
+        self.default_starts = starts.contiguous()
+        self.defaults = starts.numel()  # the rows before the first id's
         self._native = native_status()
         self.id_map = IdMap()
-        self.rows = empty_large((1 + max(capacity, 0), self.row_bytes), torch.uint8, torch.device("cpu"),
-                                self._native, reserve=4 * (1 + capacity))
-        self.set_default(default_row)
+        self.rows = empty_large((self.defaults + max(capacity, 0), self.row_bytes), torch.uint8,
+                                torch.device("cpu"), self._native, reserve=4 * (self.defaults + capacity))
+        self.rows[: self.defaults] = encode(default_rows, dtype)
         if capacity:
             self.id_map.reserve(capacity)
         # What the lookup op needs beside the rows (one table, on the host).
@@ -97,20 +127,38 @@ class ServedTable:
     @property
     def nbytes(self) -> int:
         """Memory held: the live rows and the default row, plus the id map."""
-        return (len(self) + 1) * self.row_bytes + self.id_map.nbytes
+        return (len(self) + self.defaults) * self.row_bytes + self.id_map.nbytes
+
+    def copy(self) -> "ServedTable":
+        """An independent table of the same rows (the next version, built beside this one)."""
+        out = copy.copy(self)
+        out.id_map = self.id_map.copy()
+        used = len(self) + self.defaults
+        out.rows = empty_large((used, self.row_bytes), torch.uint8, torch.device("cpu"), self._native,
+                               reserve=2 * used)
+        out.rows.copy_(self.rows[:used])
+        return out
+
+    def set_defaults(self, rows: torch.Tensor | None, starts: torch.Tensor | None) -> bool:
+        """Replace the default rows (``rows`` ``[k, dim]`` serving ids from ``starts``; None:
+        one zero row) when they serve the same id ranges; False (nothing changed) otherwise:
+        then the rows would move, and a new table must be built."""
+        starts = torch.tensor([self.id_range[0]]) if starts is None else starts
+        if not torch.equal(starts, self.default_starts):
+            return False
+        self.rows[: self.defaults] = encode(torch.zeros(1, self.dim) if rows is None else rows, self.dtype)
+        return True
+
+    def empty_like(self) -> "ServedTable":
+        """A table of the same kind and defaults without rows."""
+        return ServedTable(self.name, self.dim, self.dtype, self.pooling, decode(self.rows[: self.defaults], self.dtype),
+                           len(self), default_starts=self.default_starts, id_range=self.id_range, initial=self.initial)
 
     # -- updates ------------------------------------------------------------------------------
-    def set_default(self, row: torch.Tensor | None) -> None:
-        if row is None:
-            row = torch.zeros(self.dim)
-        if tuple(row.shape) != (self.dim,):
-            raise ValueError(f"served table '{self.name}': default row of shape {list(row.shape)}, "
-                             f"expected [{self.dim}]")
-        self.rows[0] = encode(row.view(1, -1), self.dtype)[0]
 
     def upsert(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Set the rows of ``ids`` (distinct) to ``weights`` ``[n, dim]``, adding absent ids."""
-        ids = as_ids(ids, torch.device("cpu"))
+        ids = self._checked(ids)
         if tuple(weights.shape) != (ids.numel(), self.dim):
             raise ValueError(f"served table '{self.name}': {ids.numel()} ids with weights of shape "
                              f"{list(weights.shape)}; expected [{ids.numel()}, {self.dim}]")
@@ -118,15 +166,15 @@ class ServedTable:
             raise ValueError(f"served table '{self.name}': an update names an id twice; give each once")
         encoded = encode(weights, self.dtype)  # (before anything changes: a bad row raises here)
         slots = self.id_map.find_or_insert(ids)
-        self._room(len(self) + 1)
-        self.rows[slots + 1] = encoded
+        self._room(len(self) + self.defaults)
+        self.rows[slots + self.defaults] = encoded
 
     def delete(self, ids: torch.Tensor) -> int:
         """Remove ``ids`` (absent ones are ignored): they read the default from now on.
         Returns how many were removed."""
         before = len(self)
         moves = self.id_map.erase(ids)
-        self.rows[moves.dst + 1] = self.rows[moves.src + 1]
+        self.rows[moves.dst + self.defaults] = self.rows[moves.src + self.defaults]
         return before - len(self)
 
     def _room(self, rows: int) -> None:
@@ -140,17 +188,34 @@ class ServedTable:
         self.rows = grown
 
     # -- lookups ------------------------------------------------------------------------------
+    def _checked(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = as_ids(ids, torch.device("cpu"), check=False)
+        lo, hi = self.id_range
+        bad = torch.nonzero((ids < lo) | (ids >= hi))
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"served table '{self.name}': id {int(ids[i])} (position {i} of the batch) is "
+                             f"outside the ids this table serves, [{lo}, {hi}); route it to the replica of "
+                             "its buckets, or check the feature's ids")
+        return ids
+
     def slots(self, ids: torch.Tensor) -> torch.Tensor:
-        """The row each id reads: its own, or 0 (the default). With the native op, one pass
+        """The row each id reads: its own, or its default. With the native op, one pass
         (``kvzch::served_rows``, which also exports: it has a Meta kernel)."""
-        ids = as_ids(ids, torch.device("cpu"))
         if self.id_map.backend.name == "native":
-            return torch.ops.kvzch.served_rows(self.id_map.table, ids)
-        return self.id_map.find(ids) + 1
+            return torch.ops.kvzch.served_rows(self.id_map.table, as_ids(ids, torch.device("cpu"), check=False),
+                                               self.default_starts, *self.id_range, self.name)
+        ids = self._checked(ids)
+        slots = self.id_map.find(ids)
+        default = torch.searchsorted(self.default_starts, ids, right=True) - 1
+        return torch.where(slots >= 0, slots + self.defaults, default)
 
     def weights(self, ids: torch.Tensor) -> torch.Tensor:
         """The fp32 values each id reads, ``[n, dim]``."""
-        return decode(self.rows[self.slots(ids)], self.dtype)
+        rows = self.slots(ids)
+        out = decode(self.rows[rows], self.dtype)
+        initial = self._initial_rows(ids, rows)
+        return out if initial is None else out + decode(initial, self.dtype)
 
     def lookup(self, ids: torch.Tensor, offsets: torch.Tensor,
                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,15 +224,38 @@ class ServedTable:
         if self.pooling == "none" and per_sample_weights is not None:
             raise ValueError(f"served table '{self.name}': per-sample weights need a pooled table "
                              "(pooling sum or mean); a sequence table returns rows unweighted")
+        rows = self.slots(ids)
+        weights = None if per_sample_weights is None else per_sample_weights.float()
+        offsets = offsets.to(torch.int64)
+        out = self._pool(self.rows.view(-1)[: (len(self) + self.defaults) * self.row_bytes], rows, offsets, weights)
+        initial = self._initial_rows(ids, rows)
+        if initial is not None:  # the same bags over the ids' initial rows (zero where an id has a row)
+            out = out + self._pool(initial.view(-1), torch.arange(rows.numel()), offsets, weights)
+        return out
+
+    def _initial_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """With ``initial``: served rows ``[n, row_bytes]`` of the initial weights of the ids
+        without a row (zero rows for the others); else None. (Both parts of a bag add up to
+        what training's evaluation pools; a bag of one id is exact.)"""
+        if self.initial is None:
+            return None
+        low, high, seed = self.initial
+        ids = ids.reshape(-1).long()
+        init = (torch.ops.kvzch.uniform_by_id(ids, self.dim, low, high, seed) if self._native  # (exports)
+                else uniform_by_id_torch(ids, self.dim, low, high, seed))
+        return encode(init * (rows < self.defaults).unsqueeze(1), self.dtype)
+
+    def _pool(self, dev_weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+              weights: torch.Tensor | None) -> torch.Tensor:
+        """fbgemm's inference op over one table of served rows ``dev_weights`` (flat bytes)."""
         d = self.dim
         return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
-            dev_weights=self.rows.view(-1)[: (len(self) + 1) * self.row_bytes], uvm_weights=self._no_bytes,
+            dev_weights=dev_weights, uvm_weights=self._no_bytes,
             weights_placements=self._placements, weights_offsets=self._offsets, weights_tys=self._tys,
             D_offsets=self._d_offsets, total_D=d, max_int2_D=0, max_int4_D=0,
             max_int8_D=d if self.dtype == "int8" else 0, max_float16_D=d if self.dtype == "fp16" else 0,
-            max_float32_D=d if self.dtype == "fp32" else 0, indices=self.slots(ids),
-            offsets=offsets.to(torch.int64), pooling_mode=int(POOLINGS[self.pooling]),
-            indice_weights=None if per_sample_weights is None else per_sample_weights.float(),
+            max_float32_D=d if self.dtype == "fp32" else 0, indices=indices,
+            offsets=offsets, pooling_mode=int(POOLINGS[self.pooling]), indice_weights=weights,
             output_dtype=SparseType.FP32.as_int(), lxu_cache_weights=self._no_cache[0],
             lxu_cache_locations=self._no_cache[1], row_alignment=1, max_float8_D=0,
             fp8_exponent_bits=-1, fp8_exponent_bias=-1)

@@ -28,6 +28,7 @@ therefore be plain contiguous arrays that fbgemm's TBE indexes directly.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -287,6 +288,13 @@ class IdMap:
     def find(self, ids: torch.Tensor, bounds: tuple[int, int] = ANY_ID) -> torch.Tensor:
         """Slot of each id, -1 where absent; an id outside ``bounds`` raises ``IdOutOfRange``."""
         return self._lookup(ids, bounds)[0]
+
+    def copy(self) -> "IdMap":
+        """An independent map of the same ids in the same slots."""
+        out = copy.copy(self)
+        out.table = self.table.clone()
+        out.slot_keys = self.slot_keys[: self.size].clone()
+        return out
 
     # -- updates ------------------------------------------------------------------------------
     def find_or_insert(self, ids: torch.Tensor, bounds: tuple[int, int] = ANY_ID) -> torch.Tensor:

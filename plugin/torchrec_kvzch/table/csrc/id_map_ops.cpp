@@ -2,6 +2,7 @@
 
 #include "id_map.h"
 
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <tuple>
@@ -46,29 +47,58 @@ int64_t probe_each(const Entry* t, uint64_t mask, const at::Tensor& ids, int64_t
   return b == std::numeric_limits<int64_t>::max() ? -1 : b;
 }
 
-// f(entries, position or -1) of every id, any id allowed.
+// (f(entries, position or -1) of every id, the index of the first id outside [lo, hi) or -1).
 template <typename F>
-at::Tensor map_probes(const at::Tensor& table, const at::Tensor& ids, F f) {
+std::tuple<at::Tensor, int64_t> map_probes(const at::Tensor& table, const at::Tensor& ids, int64_t lo,
+                                           int64_t hi, F f) {
   check_ids(ids);
   auto [t, mask] = entries(table);
   auto out = at::empty_like(ids);
   int64_t* o = out.data_ptr<int64_t>();
   std::atomic<int64_t> absent{0};
-  probe_each(t, mask, ids, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(),
-             [o, t = t, &f](int64_t i, int64_t pos) { o[i] = f(t, pos); }, absent);
-  return out;
+  const int64_t bad = probe_each(t, mask, ids, lo, hi, [o, t = t, &f](int64_t i, int64_t pos) { o[i] = f(t, pos); },
+                                 absent);
+  return {out, bad};
 }
 
-// Position of each id in the table, or -1 where the id is absent.
+// Position of each id in the table, or -1 where the id is absent; any id allowed.
 at::Tensor probe(const at::Tensor& table, const at::Tensor& ids) {
-  return map_probes(table, ids, [](const Entry*, int64_t pos) { return pos; });
+  return std::get<0>(map_probes(table, ids, std::numeric_limits<int64_t>::min(),
+                                std::numeric_limits<int64_t>::max(),
+                                [](const Entry*, int64_t pos) { return pos; }));
 }
 
-// The served row of each id (serving/table.py): its slot + 1, or 0 (the default row) where
-// it is absent. One tensor out and nothing else, so that it exports (its Meta kernel below).
-at::Tensor served_rows(const at::Tensor& table, const at::Tensor& ids) {
-  return map_probes(table, ids,
-                    [](const Entry* t, int64_t pos) { return pos >= 0 ? t[pos].slot + 1 : int64_t{0}; });
+// The served row of each id (serving/table.py). Rows 0..k-1 are the default rows, k =
+// len(default_starts): default r serves the absent ids from default_starts[r] on (ascending;
+// one per saving rank of the checkpoint, whose default rows differ); the id in slot s lives in
+// row s + k. An id outside [lo, hi), the ids the replica serves, is refused with a ValueError
+// naming the table. One tensor out, so that it exports (its Meta kernel below), the check with it.
+at::Tensor served_rows(const at::Tensor& table, const at::Tensor& ids, const at::Tensor& default_starts, int64_t lo,
+                       int64_t hi, c10::string_view name) {
+  TORCH_CHECK(default_starts.scalar_type() == at::kLong && default_starts.is_contiguous() &&
+                  default_starts.dim() == 1 && default_starts.numel() >= 1,
+              "served_rows: default_starts must be a contiguous 1-D int64 tensor of at least one start");
+  const int64_t k = default_starts.numel();
+  const int64_t* starts = default_starts.data_ptr<int64_t>();
+  auto [out, bad] = map_probes(table, ids, lo, hi, [k](const Entry* t, int64_t pos) {
+    return pos >= 0 ? t[pos].slot + k : int64_t{-1};
+  });
+  TORCH_CHECK_VALUE(bad < 0, "served table '", name, "': id ", bad < 0 ? 0 : ids.data_ptr<int64_t>()[bad],
+                    " (position ", bad, " of the batch) is outside the ids this table serves, [", lo, ", ",
+                    hi, "); route it to the replica of its buckets, or check the feature's ids");
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t* q = ids.data_ptr<int64_t>();
+  if (k == 1) {
+    at::parallel_for(0, out.numel(), 1 << 14, [o](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) o[i] = o[i] < 0 ? 0 : o[i];
+    });
+  } else {
+    at::parallel_for(0, out.numel(), 1 << 14, [o, q, starts, k](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        if (o[i] < 0) o[i] = std::max<int64_t>(std::upper_bound(starts, starts + k, q[i]) - starts - 1, 0);
+    });
+  }
+  return out;
 }
 
 // Slot of each id (-1 where absent), the index of the first id outside [lo, hi) (-1 if none),
@@ -293,7 +323,10 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
   return {out, -1, next_slot[chunks]};
 }
 
-at::Tensor served_rows_meta(const at::Tensor& table, const at::Tensor& ids) { return at::empty_like(ids); }
+at::Tensor served_rows_meta(const at::Tensor& table, const at::Tensor& ids, const at::Tensor& default_starts, int64_t lo,
+                            int64_t hi, c10::string_view name) {
+  return at::empty_like(ids);
+}
 
 }  // namespace
 }  // namespace kvzch

@@ -54,6 +54,18 @@ void uniform_by_id_(at::Tensor out, const at::Tensor& ids, double low, double hi
   });
 }
 
+// The same rows as a new tensor (the served model's ids without a row read them: serving/table.py),
+// with a Meta kernel below so that a served model exports.
+at::Tensor uniform_by_id(const at::Tensor& ids, int64_t dim, double low, double high, int64_t seed) {
+  auto out = at::empty({ids.numel(), dim}, ids.options().dtype(at::kFloat));
+  uniform_by_id_(out, ids, low, high, seed);
+  return out;
+}
+
+at::Tensor uniform_by_id_meta(const at::Tensor& ids, int64_t dim, double low, double high, int64_t seed) {
+  return at::empty_symint({ids.sym_numel(), c10::SymInt(dim)}, ids.options().dtype(at::kFloat));
+}
+
 // Lists in `out` the slots of s[begin, end) whose header line (8 slots) w owns, among
 // `owner_mask` + 1 owners; returns how many. Without branches, which would mispredict: every
 // slot is written and only the owned ones advance the cursor. With AVX2, four at a time, moved
@@ -181,18 +193,22 @@ TORCH_LIBRARY(kvzch, m) {
   m.def("release_pages(Tensor(a!) buffer, int start, int end) -> ()", &kvzch::release_pages);
   m.def("probe(Tensor table, Tensor ids) -> Tensor");
   m.def("lookup(Tensor table, Tensor ids, int lo, int hi) -> (Tensor, int, int)");
-  m.def("served_rows(Tensor table, Tensor ids) -> Tensor");
+  m.def("served_rows(Tensor table, Tensor ids, Tensor default_starts, int lo, int hi, str name) -> Tensor");
   m.def(
       "find_or_insert(Tensor(a!) table, Tensor(b!) slot_keys, Tensor ids, int lo, int hi, int size, "
       "bool lookup_first) -> (Tensor, int, int)");
   m.def("uniform_by_id_(Tensor(a!) out, Tensor ids, float low, float high, int seed) -> ()");
+  m.def("uniform_by_id(Tensor ids, int dim, float low, float high, int seed) -> Tensor");
   m.def("touch(Tensor(a!) meta, Tensor slots, int clock) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvzch, CPU, m) {
   m.impl("uniform_by_id_", &kvzch::uniform_by_id_);
+  m.impl("uniform_by_id", &kvzch::uniform_by_id);
   m.impl("touch", &kvzch::touch);
 }
+
+TORCH_LIBRARY_IMPL(kvzch, Meta, m) { m.impl("uniform_by_id", &kvzch::uniform_by_id_meta); }
 
 // A Python module so `import torchrec_kvzch._C` loads the library and registers the ops.
 #include <Python.h>

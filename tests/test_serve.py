@@ -1,0 +1,83 @@
+"""``torchrec-kvzch-serve`` (issue 31): the job's model served over HTTP from its checkpoints
+scores the fixed batch as the trained model did, follows a delta saved while it runs, and
+refuses bad requests naming the example and field."""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from test_train import QUICKSTART, train
+from torchrec_kvzch.job.data import SyntheticClickLog
+from torchrec_kvzch.torchrec.config import load_config
+
+
+def fixed_batch():
+    """test_train's data (SMALL's global batch and population): the job's ``data.probe()``."""
+    batch = SyntheticClickLog(load_config(QUICKSTART), 256, 0, 3000, 1.05, 0.02).probe()
+    ids = {f: jt.values().tolist() for f, jt in batch.sparse_features.to_dict().items()}
+    return [{"dense": dense, "sparse": {f: [v[i]] for f, v in ids.items()}}
+            for i, dense in enumerate(batch.dense_features.tolist())]
+
+
+def request(url, payload=None):
+    data = None if payload is None else json.dumps(payload).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data), timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A trained run (deltas between full checkpoints) and the server over its checkpoints."""
+    run = tmp_path / "run"
+    flags = ["--checkpoint-every", 4, "--incremental-every", 2]
+    _, first = train(run, "--steps", 6, *flags)
+    script = Path(sys.executable).parent / "torchrec-kvzch-serve"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "torchrec_kvzch.job.serve"]
+    proc = subprocess.Popen(cmd + ["--checkpoints", str(run / "checkpoints"), "--port", "0", "--poll-s", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert "http://127.0.0.1:" in line, proc.stderr.read()[-3000:]
+    yield run, flags, first, line.split()[-1]
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_the_server_scores_as_the_trained_model_and_follows_a_new_delta(server):
+    run, flags, first, url = server
+    examples = fixed_batch()
+    code, reply = request(url + "/predict", {"examples": examples})
+    assert code == 200 and reply["step"] == 6 and reply["scores"] == first["probe_final"]
+    _, second = train(run, "--steps", 8, *flags, nproc=1, summary="second.json")
+    assert second["checkpoint_chain"][-1] == 8  # (a delta: the follower applies it to the version served)
+    deadline = time.monotonic() + 60
+    while request(url + "/status")[1]["step"] != 8:
+        assert time.monotonic() < deadline, request(url + "/status")[1]
+        time.sleep(0.2)
+    code, reply = request(url + "/predict", {"examples": examples})
+    assert code == 200 and reply["step"] == 8 and reply["scores"] == second["probe_final"]
+    assert request(url + "/status")[1]["last_error"] is None
+
+
+def test_bad_requests_name_the_example_and_field(server):
+    _, _, _, url = server
+    good = fixed_batch()[0]
+    cases = [
+        ({"examples": [good, {**good, "sparse": {"user_idd": [1]}}]}, "example 1: 'sparse' has unknown features ['user_idd']"),
+        ({"examples": [{**good, "dense": [1.0]}]}, "example 0: 'dense' must be 13 numbers"),
+        ({"examples": [{**good, "sparse": {"user_id": [-3]}}]}, "example 0: feature 'user_id' must be a list of non-negative"),
+        ({"examples": []}, 'the body must be {"examples": [...]}'),
+        ({"examples": [{**good, "sparse": {"category": [5000]}}]}, "served table 'category': id 5000"),
+    ]
+    for payload, message in cases:
+        code, reply = request(url + "/predict", payload)
+        assert code == 400 and message in reply["error"], (payload, reply)
+    assert request(url + "/nowhere")[0] == 404

@@ -1,0 +1,75 @@
+"""A replica following training (issue 31): each new delta is applied in the background and
+swapped in whole (a request sees the version before or after, never a mix); a damaged delta
+is refused naming its file while the version served stays."""
+
+import os
+import threading
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+import test_resume
+from test_resume import flip_a_bit
+from test_serving_checkpoint import probe_batch, train_phase
+from torchrec_kvzch import AdmissionPolicy
+from torchrec_kvzch.checkpoint.manager import CheckpointManager
+from torchrec_kvzch.serving.follower import Follower
+
+# Ids without rows read the default row in training's evaluation and in serving alike.
+ADMISSION = AdmissionPolicy("count", min_count=2, default="trainable")
+
+
+def damage(checkpoint: str, fqn: str) -> str:
+    """Flip a bit in the first saved chunk of entry ``fqn``; returns its file."""
+    storage = FileSystemReader(checkpoint).read_metadata().storage_data
+    info = storage[min((i for i in storage if i.fqn == fqn), key=lambda i: tuple(i.offset))]
+    flip_a_bit(os.path.join(checkpoint, info.relative_path), info)
+    return info.relative_path
+
+
+def net():
+    return test_resume.Net(test_resume.table_params("ttl", admission=ADMISSION))
+
+
+def test_a_follower_serves_each_new_delta_whole_and_keeps_serving_through_a_damaged_one(pools, tmp_path):
+    population = torch.randint(0, test_resume.BUCKETS * test_resume.BUCKET_SIZE, (40,),
+                               generator=torch.Generator().manual_seed(0))
+    ids = population[torch.arange(30) % 40]
+    probe = probe_batch(ids, ids.flip(0), torch.arange(30) % 40)
+    root = str(tmp_path)
+    first = pools[1].run(train_phase, root, 0, 2, probe, ADMISSION)[0]
+    follower = Follower(net, root)
+    assert follower.current.step == 2 and not follower.poll()
+    with torch.no_grad():
+        assert torch.equal(follower.current.model(probe), first)
+    second = pools[1].run(train_phase, root, 2, 4, probe, ADMISSION)[0]
+    assert CheckpointManager(root).chain(4) == [2, 4]  # a delta of the version served
+    assert not torch.equal(first, second)
+    seen, stop = [], threading.Event()
+
+    def requests():  # each takes the version once and uses it to the end
+        while not stop.is_set():
+            with torch.no_grad():
+                seen.append(follower.current.model(probe))
+
+    reader = threading.Thread(target=requests)
+    reader.start()
+    before = follower.current
+    assert follower.poll()
+    stop.set()
+    reader.join()
+    assert follower.current.step == 4 and follower.status()["behind_steps"] == 0
+    with torch.no_grad():
+        assert torch.equal(follower.current.model(probe), second)
+        assert torch.equal(before.model(probe), first)  # the old version was never changed
+    assert seen and all(torch.equal(s, first) or torch.equal(s, second) for s in seen)
+
+    pools[1].run(train_phase, root, 4, 6, probe, ADMISSION)  # step 6: a delta of 4; damaged below
+    step6 = os.path.join(root, "step-00000006")
+    data = damage(step6, "model.ebc.embedding_bags.t.weight")
+    assert not follower.poll()
+    assert follower.current.step == 4 and "step 6 was not served" in follower.last_error
+    assert f"step-00000006/{data} is corrupt" in follower.last_error, follower.last_error
+    with torch.no_grad():
+        assert torch.equal(follower.current.model(probe), second)
+    assert follower.status()["behind_steps"] == 2

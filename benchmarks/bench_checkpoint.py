@@ -73,7 +73,9 @@ class RssSampler:
         self._thread.join()
 
 
-def build(world: int, rows_total: int, dim: int, whole_row: bool, chunk_rows: int | None = None):
+def build(world: int, rows_total: int, dim: int, whole_row: bool, chunk_rows: int | None = None, fill: bool = True):
+    """The table's model (``rows_total`` rows over ``world`` ranks, written unless ``fill`` is
+    False: then empty, sized for them) and this rank's store."""
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
@@ -97,7 +99,7 @@ def build(world: int, rows_total: int, dim: int, whole_row: bool, chunk_rows: in
     (_, tbe), = kvzch_tables(model)
     store, r = tbe.store, tbe.store.bucket_range
     gen = torch.Generator().manual_seed(dist.get_rank())
-    per_rank = rows_total // world
+    per_rank = rows_total // world if fill else 0
     for _ in range(0, per_rank, 1 << 20):  # rows with distinct weights and optimizer state
         slots = store.find_or_insert(torch.randint(r.id_start, r.id_end, (min(1 << 20, per_rank - len(store)),),
                                                    generator=gen), touch=False)

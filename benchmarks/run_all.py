@@ -37,6 +37,7 @@ BENCHMARKS = {  # name -> (script, its JSON, arguments); the order runs the quic
     "soak_rank_budget": ("soak_eviction.py", "soak_rank_budget.json", ["--scope", "rank"]),
     "admission": ("bench_admission.py", "bench_admission.json", []),
     "incremental": ("bench_incremental.py", "bench_incremental.json", []),
+    "serving": ("bench_serving.py", "bench_serving.json", []),
 }
 
 

@@ -38,8 +38,10 @@ assert {n: len(k.store) for n, k in kvzch_tables(model)} == {'user': 2, 'item': 
 assert 'has id -5' in message
 """,
     "docs/serving.md": """
-assert pooled.shape == (2, 8) and len(table) == 1
-assert torch.equal(pooled[1], table.weights(torch.tensor([7, 5])).sum(0)) and not table.weights(torch.tensor([7])).any()
+assert step == 2 and same and 0 < int8_error < 0.01
+assert torch.equal(exported, trained) and follower.current.step == 2 and not follower.poll()
+with follower.serving() as version:
+    assert torch.equal(version.model(probe).values(), trained)
 """,
     "docs/design.md": """
 assert slots.tolist() == [0, 1, 0]

@@ -81,3 +81,32 @@ def test_bad_requests_name_the_example_and_field(server):
         code, reply = request(url + "/predict", payload)
         assert code == 400 and message in reply["error"], (payload, reply)
     assert request(url + "/nowhere")[0] == 404
+
+
+def test_the_jobs_served_dlrm_exports_and_predicts_the_same(server):
+    """The job's DLRM (dense and sparse) served from its run and exported: the program, taking
+    plain tensors, scores the fixed batch as the eager served model does."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_kvzch.job.model import dlrm
+    from torchrec_kvzch.job.serve import PREFIX, to_batch
+    from torchrec_kvzch.serving import ServingOptions, export_served, served_model
+
+    run, _, _, _ = server
+    config = load_config(QUICKSTART)
+    options = ServingOptions(default="initial", kvzch={t.name: t for t in config.kvzch_tables})
+    model, step = served_model(dlrm(config, torch.device("cpu")).model, run / "checkpoints", prefix=PREFIX,
+                               options=options)
+    features = [f for c in config.embedding_bag_configs() for f in c.feature_names]
+    dense, sparse = to_batch(fixed_batch(), features)
+    with torch.no_grad():
+        want = model(dense, sparse)
+    program = export_served(model, (dense, sparse)).module()
+    assert step == 6 and torch.equal(program(dense, sparse.values(), sparse.lengths()), want)
+    b = dense.shape[0]  # a batch of one (the KJT's values are feature by feature: 0, b, 2b)
+    one = KeyedJaggedTensor(keys=features, values=sparse.values()[torch.tensor([0, b, 2 * b])],
+                            lengths=torch.ones(3, dtype=torch.int32))
+    with torch.no_grad():
+        want_one = model(dense[:1], one)
+    assert torch.equal(program(dense[:1], one.values(), one.lengths()), want_one)

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from torchrec_kvzch.serving import ServedTable, decode, encode
+from torchrec_kvzch.serving.table import error_bound
 
 
 def reference_bags(rows: torch.Tensor, offsets: torch.Tensor, pooling: str, weights=None) -> torch.Tensor:
@@ -23,11 +24,7 @@ def reference_bags(rows: torch.Tensor, offsets: torch.Tensor, pooling: str, weig
 
 
 def int8_bound(w: torch.Tensor) -> torch.Tensor:
-    """Per row: half a quantization step, plus the fp16 rounding of the scale (over 255 steps)
-    and of the bias."""
-    lo, hi = w.min(1).values, w.max(1).values
-    step = (hi - lo) / 255
-    return step * (0.5 + 255 * 2**-11) + lo.abs() * 2**-11 + 1e-6
+    return error_bound(w, "int8")
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8"])
@@ -37,7 +34,7 @@ def test_encode_decode_is_exact_or_within_the_dtype_bound(dtype):
     if dtype == "fp32":
         assert torch.equal(got, w)
     elif dtype == "fp16":
-        assert torch.equal(got, w.half().float())
+        assert torch.equal(got, w.half().float()) and ((got - w).abs() <= error_bound(w, "fp16")[:, None]).all()
     else:
         assert ((got - w).abs() <= int8_bound(w)[:, None]).all()
 
@@ -95,6 +92,9 @@ def test_rows_survive_growth_and_deletes_move_no_other_row():
     assert torch.equal(table.weights(ids[kept]), rows[kept])
     assert torch.equal(table.weights(gone), torch.zeros(gone.numel(), 4))
     assert table.nbytes >= len(table) * table.row_bytes
+    assert table.delete(ids[kept]) == int(kept.sum()) and len(table) == 0  # the pages of dead rows are released
+    table.upsert(ids[:10], rows[:10])  # (and come back as needed)
+    assert torch.equal(table.weights(ids[:10]), rows[:10])
 
 
 def test_bad_input_names_the_table_and_changes_nothing():
@@ -105,12 +105,17 @@ def test_bad_input_names_the_table_and_changes_nothing():
         (torch.tensor([3, 3]), torch.ones(2, 8), "served table 'user': an update names an id twice"),
         (torch.tensor([4]), torch.ones(1, 6), r"served table 'user': 1 ids with weights of shape \[1, 6\]"),
         (torch.tensor([-4]), torch.ones(1, 8), r"served table .user.: id -4 \(position 0"),
+        (torch.tensor([5, 6]), torch.tensor([[1.0] * 8, [float("nan")] * 8]),
+         r"served table 'user': the row of id 6 is not finite \(1 such row\(s\) in this update\)"),
+        (torch.tensor([5]), torch.tensor([[-float("inf")] + [1.0] * 7]), "the row of id 5 is not finite"),
     ]:
         with pytest.raises(ValueError, match=match):
             table.upsert(ids, rows)
     assert len(table) == 2 and torch.equal(table.rows[: len(table) + table.defaults], before)
     with pytest.raises(ValueError, match="served table 'user': dtype 'int4' is not served; use one of fp32, fp16, int8"):
         ServedTable("user", 8, "int4")
+    with pytest.raises(ValueError, match=r"the row of id 1 exceeds fp16's range \(65504\); serve this table as fp32"):
+        ServedTable("user", 8, "fp16").upsert(torch.tensor([1]), torch.full((1, 8), 7e4))
     with pytest.raises(ValueError, match="embedding_dim 7 is odd"):
         ServedTable("user", 7, "int8")
     with pytest.raises(ValueError, match="per-sample weights need a pooled table"):

@@ -281,3 +281,56 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def trained_collection(rank, world, case, root):
+    """test_sharding's EBC or EC sharded over ``world`` ranks, trained 3 steps and saved; its
+    eval outputs on one batch (every rank the same) and that batch."""
+    import test_sharding
+    gen = torch.Generator().manual_seed(5)
+    virtual = case["buckets"] * 2**37
+    universe = {"kv": torch.randint(0, virtual, (50,), generator=gen).unique(),
+                "kv2": torch.randint(0, virtual, (30,), generator=gen).unique(), "plain": torch.arange(37)}
+    dmp = test_sharding.build(world, case, universe, twin=False)
+
+    def kjt(rank, step):
+        keys, lengths, local = test_sharding.batch(rank, step, universe, case, empty=False)
+        weights = torch.rand(int(lengths.sum()), generator=torch.Generator().manual_seed(step)) \
+            if case.get("weighted") else None
+        values = torch.cat([universe["kv"][local["kv"]], universe["kv2"][local["kv2"]], local["plain"]])
+        return KeyedJaggedTensor(keys, values, lengths=lengths, weights=weights)
+
+    for step in range(3):
+        out = test_sharding.values(dmp(kjt(rank, step)))
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(step)))
+    CheckpointManager(root, process_group=dist.group.WORLD).save({"model": dmp.state_dict()}, 3)
+    dmp.eval()
+    probe = kjt(0, 99)  # (its ids: some trained, some not)
+    with torch.no_grad():
+        return test_sharding.values(dmp(probe)), probe
+
+
+@pytest.mark.parametrize("case", [
+    dict(pooling=None, dim=8, buckets=6, optimizer="exact_row_wise_adagrad", batch=5, max_len=4),
+    dict(pooling="MEAN", dim=8, dim2=4, buckets=5, optimizer="exact_sgd", batch=5, max_len=4),
+    dict(pooling="SUM", dim=4, dim2=16, buckets=7, optimizer="exact_row_wise_adagrad", batch=5, max_len=4,
+         weighted=True),
+], ids=["sequence", "mean", "weighted"])
+def test_served_collections_answer_as_the_trained_ones(pools, tmp_path, case):
+    """An EmbeddingCollection (sequence) and EmbeddingBagCollections (MEAN; weighted SUM) with
+    KV-ZCH and ordinary tables, trained on 2 ranks: the served module itself (the model is the
+    collection) gives the trained module's eval outputs - each row exact, pooled bags mixing
+    rows and unseen ids' initial weights within rounding."""
+    import test_sharding
+    from torchrec.modules.embedding_configs import PoolingType
+    if case["pooling"] is not None:
+        case = dict(case, pooling=PoolingType[case["pooling"]])
+    (want, probe), _ = pools[2].run(trained_collection, case, str(tmp_path))
+    module, params = test_sharding.collection(case, universe=None)
+    served, _ = served_model(module, tmp_path, options=ServingOptions(default="initial", kvzch=params))
+    with torch.no_grad():
+        got = test_sharding.values(served(probe))
+    if case["pooling"] is None:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -4,6 +4,7 @@ is refused naming its file while the version served stays."""
 
 import os
 import threading
+import time
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -27,6 +28,18 @@ def damage(checkpoint: str, fqn: str) -> str:
     return info.relative_path
 
 
+class Scores(tuple):
+    """(step, scores) comparing scores bit for bit."""
+
+    def __eq__(self, other):
+        return self[0] == other[0] and torch.equal(self[1], other[1])
+
+
+def predict(follower, probe):
+    with follower.serving() as version, torch.no_grad():
+        return Scores((version.step, version.model(probe)))
+
+
 def net():
     return test_resume.Net(test_resume.table_params("ttl", admission=ADMISSION))
 
@@ -40,29 +53,34 @@ def test_a_follower_serves_each_new_delta_whole_and_keeps_serving_through_a_dama
     first = pools[1].run(train_phase, root, 0, 2, probe, ADMISSION)[0]
     follower = Follower(net, root)
     assert follower.current.step == 2 and not follower.poll()
-    with torch.no_grad():
-        assert torch.equal(follower.current.model(probe), first)
+    assert predict(follower, probe) == (2, first)
     second = pools[1].run(train_phase, root, 2, 4, probe, ADMISSION)[0]
     assert CheckpointManager(root).chain(4) == [2, 4]  # a delta of the version served
     assert not torch.equal(first, second)
-    seen, stop = [], threading.Event()
+    seen, stop, held = [], threading.Event(), []
 
-    def requests():  # each takes the version once and uses it to the end
+    def requests():  # each takes a version and uses it to the end
         while not stop.is_set():
-            with torch.no_grad():
-                seen.append(follower.current.model(probe))
+            seen.append(predict(follower, probe))
 
-    reader = threading.Thread(target=requests)
-    reader.start()
-    before = follower.current
-    assert follower.poll()
+    def long_request():  # holds step 2 across the swap: it must stay step 2 to the end
+        with follower.serving() as version, torch.no_grad():
+            while follower.current.step != 4:
+                time.sleep(0.01)
+            held.append((version.step, version.model(probe)))
+
+    readers = [threading.Thread(target=requests), threading.Thread(target=long_request)]
+    for reader in readers:
+        reader.start()
+    while not seen:  # (the long request is in before the swap)
+        time.sleep(0.01)
+    assert follower.poll()  # returns once the long request is done and the spare caught up
     stop.set()
-    reader.join()
+    for reader in readers:
+        reader.join()
     assert follower.current.step == 4 and follower.status()["behind_steps"] == 0
-    with torch.no_grad():
-        assert torch.equal(follower.current.model(probe), second)
-        assert torch.equal(before.model(probe), first)  # the old version was never changed
-    assert seen and all(torch.equal(s, first) or torch.equal(s, second) for s in seen)
+    assert predict(follower, probe) == (4, second) and held[0][0] == 2 and torch.equal(held[0][1], first)
+    assert all(s == (2, first) or s == (4, second) for s in seen)
 
     pools[1].run(train_phase, root, 4, 6, probe, ADMISSION)  # step 6: a delta of 4; damaged below
     step6 = os.path.join(root, "step-00000006")
@@ -70,6 +88,6 @@ def test_a_follower_serves_each_new_delta_whole_and_keeps_serving_through_a_dama
     assert not follower.poll()
     assert follower.current.step == 4 and "step 6 was not served" in follower.last_error
     assert f"step-00000006/{data} is corrupt" in follower.last_error, follower.last_error
-    with torch.no_grad():
-        assert torch.equal(follower.current.model(probe), second)
-    assert follower.status()["behind_steps"] == 2
+    assert predict(follower, probe) == (4, second)
+    status = follower.status()
+    assert status["behind_steps"] == 2 and status["lag_s"] > 0 and status["step"] == 4

@@ -65,10 +65,10 @@ def kv_params(name, dim, buckets, optimizer):
                             expected_rows=1000)
 
 
-def build(world_size, case, universe, twin: bool, device=torch.device("cpu")):
-    """Our model or its twin for one test case (dims, buckets, pooling, optimizer) on ``device``."""
+def collection(case, universe, twin: bool = False):
+    """The unsharded EBC or EC of a test case (on the meta device) and its KV-ZCH parameters."""
     sequence = case["pooling"] is None
-    table_cls, collection = (EmbeddingConfig, EmbeddingCollection) if sequence else (EmbeddingBagConfig, EmbeddingBagCollection)
+    table_cls, module_cls = (EmbeddingConfig, EmbeddingCollection) if sequence else (EmbeddingBagConfig, EmbeddingBagCollection)
     extra = {} if sequence else {"pooling": case["pooling"]}
     dims = {"kv": case["dim"], "kv2": case["dim"] if sequence else case["dim2"], "plain": case["dim"] if sequence else 4}
     params = {n: kv_params(n, dims[n], case["buckets"], case["optimizer"]) for n in ("kv", "kv2")}
@@ -83,7 +83,13 @@ def build(world_size, case, universe, twin: bool, device=torch.device("cpu")):
     configs.append(table_cls(name="plain", embedding_dim=dims["plain"], num_embeddings=PLAIN_ROWS,
                              feature_names=FEATURES["plain"], **extra))
     weighted = {} if sequence else {"is_weighted": case.get("weighted", False)}
-    module = collection(tables=configs, device=torch.device("meta"), **weighted)
+    return module_cls(tables=configs, device=torch.device("meta"), **weighted), params
+
+
+def build(world_size, case, universe, twin: bool, device=torch.device("cpu")):
+    """Our model or its twin for one test case (dims, buckets, pooling, optimizer) on ``device``."""
+    sequence = case["pooling"] is None
+    module, params = collection(case, universe, twin)
     sharders = kvzch_sharders({"optimizer": EmbOptimType(case["optimizer"]), "learning_rate": LR, "eps": EPS})
     kernels = {n: row_wise(compute_kernel="fused") if twin else
                bucket_row_wise(KVZCH_KERNEL, case["buckets"]) for n in ("kv", "kv2")}

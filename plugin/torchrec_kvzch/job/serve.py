@@ -111,12 +111,13 @@ def handler(follower: Follower, features: list[str]):
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
                 dense, sparse = to_batch(body.get("examples") if isinstance(body, dict) else None, features)
-                version = follower.current  # one version for the whole request
-                with torch.no_grad():
+                torch.set_num_threads(1)  # (per thread: requests run side by side, one core each)
+                with follower.serving() as version, torch.no_grad():  # one version for the whole request
                     scores = torch.sigmoid(version.model(dense, sparse).squeeze(-1))
+                    step = version.step
             except (ValueError, json.JSONDecodeError) as e:
                 return self._reply(400, {"error": str(e)})
-            self._reply(200, {"step": version.step, "scores": scores.tolist()})
+            self._reply(200, {"step": step, "scores": scores.tolist()})
 
         def _reply(self, code: int, payload: dict) -> None:
             data = json.dumps(payload).encode()

@@ -3,7 +3,8 @@
 ``export_served(model, args)`` traces a served model (``model.served_model``) whose last input
 is a ``KeyedJaggedTensor``; the program takes the same inputs with the KJT replaced by plain
 tensors, ``values`` and ``lengths`` (and ``weights`` for weighted features) in the KJT's key
-order, so loading it needs no TorchRec: only torch, fbgemm_gpu (its inference op) and our op
+order, and returns TorchRec outputs as plain tensors (a ``KeyedTensor``'s values, each
+``JaggedTensor``'s values), so loading it needs no TorchRec: only torch, fbgemm_gpu (its inference op) and our op
 library (``kvzch::served_rows``, registered with a Meta kernel, the id check included)::
 
     import torch, fbgemm_gpu
@@ -22,7 +23,7 @@ import os
 import torch
 from torch import nn
 from torch.export import Dim
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 
 class _PlainInputs(nn.Module):
@@ -38,7 +39,21 @@ class _PlainInputs(nn.Module):
         else:
             (*dense, values, lengths), weights = args, None
         kjt = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths, weights=weights)
-        return self.model(*dense, kjt)
+        return _plain(self.model(*dense, kjt))
+
+
+def _plain(out):
+    """TorchRec outputs as plain tensors: a ``KeyedTensor``'s values, a ``JaggedTensor``'s
+    values (its lengths are the input's), inside tuples, lists and dicts too."""
+    if isinstance(out, KeyedTensor):
+        return out.values()
+    if isinstance(out, JaggedTensor):
+        return out.values()
+    if isinstance(out, dict):
+        return {k: _plain(v) for k, v in out.items()}
+    if isinstance(out, (tuple, list)):
+        return type(out)(_plain(v) for v in out)
+    return out
 
 
 def export_served(model: nn.Module, args: tuple) -> torch.export.ExportedProgram:

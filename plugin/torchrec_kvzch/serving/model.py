@@ -63,7 +63,7 @@ class ServingOptions:
                                  f"checkpoint; its KV-ZCH tables: {sorted(kv_tables)}")
         if self.default not in DEFAULTS:
             raise ValueError(f"ServingOptions.default {self.default!r} is unknown; use one of {', '.join(DEFAULTS)}")
-        missing = sorted(kv_tables - set(self.kvzch or {}))
+        missing = sorted((kv_tables & tables) - set(self.kvzch or {}))
         if self.default == "initial" and missing:
             raise ValueError(f"ServingOptions.default 'initial' reads each KV-ZCH table's initializer; "
                              f"ServingOptions.kvzch has no parameters for {missing}")

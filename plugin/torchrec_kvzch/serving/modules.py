@@ -27,6 +27,15 @@ class ServedModule(nn.Module):
         self.feature_tables = [(f, t) for t, names in zip(tables, features) for f in names]
         self.feature_names = [f for f, _ in self.feature_tables]
 
+    def replace(self, table: ServedTable) -> None:
+        """Serve ``table`` in place of the one of its name (on a model nothing serves now)."""
+        old = self.tables[table.name]
+        if (old.dim, old.pooling) != (table.dim, table.pooling):
+            raise ValueError(f"served table '{table.name}': a replacement of dim {table.dim} and pooling "
+                             f"{table.pooling} for one of dim {old.dim} and pooling {old.pooling}")
+        self.tables = {**self.tables, table.name: table}
+        self.feature_tables = [(f, table if t.name == table.name else t) for f, t in self.feature_tables]
+
     def _features(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         keys = features.keys()
         unknown = sorted(set(keys) - set(self.feature_names))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -73,7 +74,6 @@ class Link:
         self.uid, self.base = chain_link(self.metadata.planner_data)
         self._files = SavedFiles(str(self.path), self.metadata)
         self._sums: dict | None = None
-        self._buffer: torch.Tensor | None = None
 
     @property
     def is_delta(self) -> bool:
@@ -105,21 +105,39 @@ class Link:
         check_files(str(self.path), self.metadata, indices, self._describe)
 
     def rows(self, table: SavedKVTable, lo: int, hi: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``(ids, weights [n, D] fp32)`` of the saved rows with ids in ``[lo, hi)``, a chunk
-        at a time, each chunk checked against its checksum."""
+        """``(ids, weights [n, D])`` of the saved rows with ids in ``[lo, hi)``, a chunk at a
+        time, each chunk checked against its checksum. ``weights`` may be a strided view of a
+        buffer the next chunk overwrites: use it before asking for the next. The next chunk is
+        read (and checksummed) in the background meanwhile, into the other of two buffers."""
         layout = RowLayout.for_table(table.params)
         weights = slice(layout.header_width, layout.header_width + table.saved.embedding_dim) \
             if table.saved.whole_row else slice(None)
-        for index in self.chunks(table, lo, hi):
+        indices = self.chunks(table, lo, hi)
+        buffers: list[torch.Tensor | None] = [None, None]
+
+        def read(i: int):
+            index = indices[i]
             ids = self._read(MetadataIndex(table.base + "weight_id", index.offset)).view(-1)
             keep = (ids >= lo) & (ids < hi)
             if not bool(keep.any()):
-                continue
-            rows = self._read(index, reuse=True)  # (valid until the next chunk: copied out below)
-            if rows.shape[0] != ids.numel():
-                raise ValueError(f"{self._where(index)}: a chunk of {rows.shape[0]} rows beside "
-                                 f"{ids.numel()} ids; the checkpoint is damaged")
-            yield ids[keep], rows[keep][:, weights].float()
+                return index, ids, keep, None
+            rows = buffers[i % 2] = self._read(index, buffers[i % 2])
+            return index, ids, keep, rows
+
+        with ThreadPoolExecutor(1, thread_name_prefix="kvzch-serving-read") as reader:
+            ahead = reader.submit(read, 0) if indices else None
+            for i in range(len(indices)):
+                index, ids, keep, rows = ahead.result()
+                ahead = reader.submit(read, i + 1) if i + 1 < len(indices) else None
+                if rows is None:
+                    continue
+                if rows.shape[0] != ids.numel():
+                    raise ValueError(f"{self._where(index)}: a chunk of {rows.shape[0]} rows beside "
+                                     f"{ids.numel()} ids; the checkpoint is damaged")
+                if bool(keep.all()):  # (most chunks: no copy here)
+                    yield ids, rows[:, weights]
+                else:
+                    yield ids[keep], rows[keep][:, weights]
 
     def deleted(self, table: SavedKVTable, lo: int, hi: int) -> torch.Tensor:
         """A delta's ids deleted since its base, those in ``[lo, hi)``."""
@@ -140,20 +158,18 @@ class Link:
                           for c in sorted(meta.chunks, key=lambda c: c.offsets[0])]).float()
 
     # -- reading ------------------------------------------------------------------------------
-    def _read(self, index: MetadataIndex, reuse: bool = False) -> torch.Tensor:
-        """One saved chunk, checked against its recorded checksum; with ``reuse``, into a
-        buffer the next such read overwrites (fewer page faults than a fresh one per chunk)."""
+    def _read(self, index: MetadataIndex, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One saved chunk, checked against its recorded checksum; into ``out`` when it is large
+        enough and of the chunk's dtype (the returned tensor is then a view of it)."""
         try:
             span = self._files.span(index)
             if span is not None:
                 meta = self.metadata.state_dict_metadata[index.fqn]
                 sizes = next(c.sizes for c in meta.chunks if c.offsets == index.offset)
                 n, dtype = sizes.numel(), meta.properties.dtype
-                out = self._buffer if reuse else None
                 if out is None or out.numel() < n or out.dtype != dtype:
                     out = torch.empty(n, dtype=dtype)
-                    self._buffer = out if reuse else self._buffer
-                value = self._files.read_rows(span, 0, out[:n]).view(sizes)
+                value = self._files.read_rows(span, 0, out.view(-1)[:n]).view(sizes)
             else:
                 value = read_item(FileSystemReader(self.path), self.metadata, index)
         except ValueError as e:
@@ -198,6 +214,9 @@ class CheckpointSource:
         """The links that restore ``step``, its full checkpoint first, each named base checked
         (``CheckpointManager.chain``)."""
         return [Link(self._manager.path(s), s) for s in self._manager.chain(step)]
+
+    def path(self, step: int) -> Path:
+        return self._manager.path(step)
 
     def link(self, step: int) -> Link:
         path = self._manager.path(step)

@@ -25,7 +25,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 
 from torchrec_kvzch.table.id_map import IdMap, as_ids
 from torchrec_kvzch.table.initializer import uniform_by_id_torch
-from torchrec_kvzch.table.native import empty_large, native_status, regrown
+from torchrec_kvzch.table.native import empty_large, native_status, regrown, release_rows
 
 SERVED_DTYPES = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8}
 POOLINGS = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}
@@ -46,6 +46,19 @@ def encode(weights: torch.Tensor, dtype: str) -> torch.Tensor:
         return weights.half().view(torch.uint8)
     fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(weights, 8)  # q | scale | bias
     return torch.cat([fused[:, -_QPARAM_BYTES:], fused[:, :-_QPARAM_BYTES]], dim=1)
+
+
+def error_bound(weights: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Per row of fp32 ``weights``, the most any value can read back off after ``encode`` in
+    ``dtype``: 0 in fp32; fp16's half ulp; for int8, half a quantization step plus the fp16
+    rounding of the scale (over 255 steps) and of the bias."""
+    w = weights.detach().float()
+    if dtype == "fp32":
+        return torch.zeros(w.shape[0])
+    if dtype == "fp16":
+        return w.abs().max(1).values * 2**-11 + 2**-24  # (and subnormals)
+    lo, hi = w.min(1).values, w.max(1).values
+    return (hi - lo) / 255 * (0.5 + 255 * 2**-11) + lo.abs() * 2**-11 + 1e-6
 
 
 def decode(rows: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -134,20 +147,25 @@ class ServedTable:
         out = copy.copy(self)
         out.id_map = self.id_map.copy()
         used = len(self) + self.defaults
-        out.rows = empty_large((used, self.row_bytes), torch.uint8, torch.device("cpu"), self._native,
-                               reserve=2 * used)
-        out.rows.copy_(self.rows[:used])
+        # A plain allocation (with room for 1/8 more rows: untouched pages cost nothing): its
+        # first touch is faster than a huge-page mapping's, whose faults may wait for the
+        # kernel to compact memory; a follower copies a table per version.
+        out.rows = torch.empty((used + used // 8, self.row_bytes), dtype=torch.uint8)
+        out.rows[:used].copy_(self.rows[:used])
         return out
 
-    def set_defaults(self, rows: torch.Tensor | None, starts: torch.Tensor | None) -> bool:
-        """Replace the default rows (``rows`` ``[k, dim]`` serving ids from ``starts``; None:
-        one zero row) when they serve the same id ranges; False (nothing changed) otherwise:
-        then the rows would move, and a new table must be built."""
+    def default_starts_match(self, rows: torch.Tensor | None, starts: torch.Tensor | None) -> bool:
+        """Whether default rows ``rows`` serving ids from ``starts`` (None: one zero row) fit
+        this table's default rows (the same id ranges: the other rows stay where they are)."""
         starts = torch.tensor([self.id_range[0]]) if starts is None else starts
-        if not torch.equal(starts, self.default_starts):
-            return False
+        return torch.equal(starts, self.default_starts)
+
+    def set_defaults(self, rows: torch.Tensor | None, starts: torch.Tensor | None) -> None:
+        """Replace the default rows (``default_starts_match`` must hold)."""
+        if not self.default_starts_match(rows, starts):
+            raise ValueError(f"served table '{self.name}': default rows for other id ranges than "
+                             f"{self.default_starts.tolist()}; build a new table")
         self.rows[: self.defaults] = encode(torch.zeros(1, self.dim) if rows is None else rows, self.dtype)
-        return True
 
     def empty_like(self) -> "ServedTable":
         """A table of the same kind and defaults without rows."""
@@ -157,17 +175,52 @@ class ServedTable:
     # -- updates ------------------------------------------------------------------------------
 
     def upsert(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        """Set the rows of ``ids`` (distinct) to ``weights`` ``[n, dim]``, adding absent ids."""
+        """Set the rows of ``ids`` (distinct) to ``weights`` ``[n, dim]``, adding absent ids.
+        ``weights`` may be a strided view (a checkpoint chunk's weight columns): new rows are
+        written from it in one copy."""
         ids = self._checked(ids)
         if tuple(weights.shape) != (ids.numel(), self.dim):
             raise ValueError(f"served table '{self.name}': {ids.numel()} ids with weights of shape "
                              f"{list(weights.shape)}; expected [{ids.numel()}, {self.dim}]")
-        if ids.numel() != torch.unique(ids).numel():
+        ascending = ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all())  # (a checkpoint's: no sort needed)
+        if not ascending and ids.numel() != torch.unique(ids).numel():
             raise ValueError(f"served table '{self.name}': an update names an id twice; give each once")
-        encoded = encode(weights, self.dtype)  # (before anything changes: a bad row raises here)
+        self._check_values(ids, weights)
+        before = len(self)
         slots = self.id_map.find_or_insert(ids)
         self._room(len(self) + self.defaults)
-        self.rows[slots + self.defaults] = encoded
+        if len(self) - before == ids.numel():  # all new: slots before, before + 1, ... in order
+            start = before + self.defaults
+            self._write(self.rows[start:start + ids.numel()], weights)
+        else:
+            self.rows[slots + self.defaults] = encode(weights, self.dtype)
+
+    def _write(self, out: torch.Tensor, weights: torch.Tensor) -> None:
+        """Contiguous served rows ``out`` from fp32 ``weights``, in one pass where the dtype allows."""
+        if self.dtype == "int8":
+            out.copy_(encode(weights, "int8"))
+        else:
+            out.view(torch.float32 if self.dtype == "fp32" else torch.float16).copy_(weights)
+
+    def _check_values(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Rows that would be served wrong are refused before anything changes: values that are
+        not finite, or beyond fp16's range in an fp16 table (they would read as inf)."""
+        limit = 65504.0 if self.dtype == "fp16" else float("inf")
+        if not weights.numel():
+            return
+        # Fast (one pass, strided views too): a row's norm is NaN or inf where a value is, and
+        # bounds every |value|; only a row it flags is looked at value by value.
+        norms = torch.linalg.vector_norm(weights.detach().float(), 2, dim=1)
+        if bool(norms.isfinite().all()) and (limit == float("inf") or float(norms.max()) <= limit):
+            return
+        weights = weights.detach().float()
+        bad = torch.nonzero(~(weights.isfinite() & (weights.abs() <= limit)).all(1)).view(-1)
+        if bad.numel():
+            i = int(bad[0])
+            problem = ("is not finite" if not bool(weights[i].isfinite().all())
+                       else "exceeds fp16's range (65504); serve this table as fp32")
+            raise ValueError(f"served table '{self.name}': the row of id {int(ids[i])} {problem} "
+                             f"({bad.numel()} such row(s) in this update); nothing was changed")
 
     def delete(self, ids: torch.Tensor) -> int:
         """Remove ``ids`` (absent ones are ignored): they read the default from now on.
@@ -175,6 +228,8 @@ class ServedTable:
         before = len(self)
         moves = self.id_map.erase(ids)
         self.rows[moves.dst + self.defaults] = self.rows[moves.src + self.defaults]
+        # The dead rows past the end go back to the OS (whole pages), as the training store's do.
+        release_rows(self.rows, len(self) + self.defaults, before + self.defaults, self._native)
         return before - len(self)
 
     def _room(self, rows: int) -> None:

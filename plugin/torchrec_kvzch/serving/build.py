@@ -70,7 +70,7 @@ def build_table(chain: list[Link], name: str, *, dtype: str = "fp32", pooling: s
     lo, hi = bucket_ids(table, buckets)
     rows, starts = default_rows(chain[-1], table, lo, hi, default)
     for link in chain:  # every file checked before the first row is read
-        link.check(link.chunks(table, lo, hi) + (link.chunks(table, lo, hi, "deleted_id") if link.is_delta else []))
+        check_link(link, find_table(link, name), lo, hi)
     expected = sum(n for (a, b), n in zip(table.rank_ids(), chain[-1].tables[name].saved.rows)
                    if a < hi and lo < b)
     initial = (*params.init_range, params.init_seed) if default == "initial" else None
@@ -91,6 +91,12 @@ def default_rows(link: Link, table: SavedKVTable, lo: int, hi: int,
         return None, None
     ranks = [(r, a) for r, (a, b) in enumerate(table.rank_ids()) if a < hi and lo < b]
     return trained[[r for r, _ in ranks]], torch.tensor([max(a, lo) for _, a in ranks], dtype=torch.long)
+
+
+def check_link(link: Link, table: SavedKVTable, lo: int, hi: int) -> None:
+    """Every file region of ``link`` that serving ids ``[lo, hi)`` of ``table`` reads (its rows,
+    and a delta's deleted ids) exists and is complete."""
+    link.check(link.chunks(table, lo, hi) + (link.chunks(table, lo, hi, "deleted_id") if link.is_delta else []))
 
 
 def apply(link: Link, served: ServedTable, name: str) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchrec_kvzch.serving.build import apply, default_rows, find_table
+from torchrec_kvzch.serving.build import apply, check_link, default_rows, find_table
 from torchrec_kvzch.serving.model import ServingOptions, assign, dense_entries, ordinary_table, served_model
 from torchrec_kvzch.serving.modules import ServedModule
 from torchrec_kvzch.serving.source import CheckpointSource, Link
@@ -206,8 +206,7 @@ class Follower:
         kv = [t for m in served for t in m.tables.values() if t.name in last.tables]
         for link in links:  # every file checked before any table changes
             for t in kv:
-                saved = find_table(link, t.name)
-                link.check(link.chunks(saved, *t.id_range) + link.chunks(saved, *t.id_range, "deleted_id"))
+                check_link(link, find_table(link, t.name), *t.id_range)
         dense = dense_entries(model, set(), self.prefix, last)  # (served modules hold no parameters)
         defaults = {t.name: default_rows(last, find_table(last, t.name), *t.id_range, self.options.default)
                     for t in kv}

@@ -3,7 +3,7 @@
 ``CheckpointManager`` writes a folder per step, full checkpoints and deltas chained to them
 (``checkpoint/manager.py``). Serving reads them outside any training job: ``Link`` is one
 step's folder, and ``Link.rows`` streams a KV-ZCH table's saved rows whose ids lie in a range
-(a replica's buckets) as ``(ids, fp32 weights)``, a chunk at a time, reading only the chunks of
+(a replica's buckets) as ``(ids, weights)``, a chunk at a time, reading only the chunks of
 the saving ranks whose buckets overlap that range, each chunk's ids before its rows (rows
 without an id in range are not read). Every chunk read is checked against the checksum recorded
 at save, on the bytes as read (no second pass), and every file the build will read is checked
@@ -13,6 +13,7 @@ to exist and be complete before the first byte is used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,7 @@ class SavedKVTable:
     base: str
     saved: SavedTable
 
-    @property
+    @functools.cached_property
     def params(self) -> KVZCHTableParams:
         """Enough of the table's parameters for its bucket split and row layout."""
         s = self.saved

@@ -15,6 +15,7 @@ import torch
 from torchrec_kvzch.params import KVZCHTableParams
 from torchrec_kvzch.serving.source import Link, SavedKVTable
 from torchrec_kvzch.serving.table import ServedTable
+from torchrec_kvzch.torchrec.delta import DELETED
 
 # What an id without a row reads: admission's default row (zeros without one), zeros, or the
 # initial weights a row of it would start with (what training's evaluation reads).
@@ -71,8 +72,7 @@ def build_table(chain: list[Link], name: str, *, dtype: str = "fp32", pooling: s
     rows, starts = default_rows(chain[-1], table, lo, hi, default)
     for link in chain:  # every file checked before the first row is read
         check_link(link, find_table(link, name), lo, hi)
-    expected = sum(n for (a, b), n in zip(table.rank_ids(), chain[-1].tables[name].saved.rows)
-                   if a < hi and lo < b)
+    expected = sum(table.saved.rows[r] for r in table.ranks_in(lo, hi))
     initial = (*params.init_range, params.init_seed) if default == "initial" else None
     served = ServedTable(name, table.saved.embedding_dim, dtype, pooling, default_rows=rows, capacity=expected,
                          default_starts=starts, id_range=(lo, hi), initial=initial)
@@ -89,14 +89,14 @@ def default_rows(link: Link, table: SavedKVTable, lo: int, hi: int,
     trained = link.default_rows(table) if default == "admission" else None
     if trained is None:
         return None, None
-    ranks = [(r, a) for r, (a, b) in enumerate(table.rank_ids()) if a < hi and lo < b]
-    return trained[[r for r, _ in ranks]], torch.tensor([max(a, lo) for _, a in ranks], dtype=torch.long)
+    ranks, ids = table.ranks_in(lo, hi), table.rank_ids()
+    return trained[ranks], torch.tensor([max(ids[r][0], lo) for r in ranks], dtype=torch.long)
 
 
 def check_link(link: Link, table: SavedKVTable, lo: int, hi: int) -> None:
     """Every file region of ``link`` that serving ids ``[lo, hi)`` of ``table`` reads (its rows,
     and a delta's deleted ids) exists and is complete."""
-    link.check(link.chunks(table, lo, hi) + (link.chunks(table, lo, hi, "deleted_id") if link.is_delta else []))
+    link.check(link.chunks(table, lo, hi) + (link.chunks(table, lo, hi, DELETED) if link.is_delta else []))
 
 
 def apply(link: Link, served: ServedTable, name: str) -> None:

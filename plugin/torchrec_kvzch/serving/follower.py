@@ -210,7 +210,7 @@ class Follower:
         dense = dense_entries(model, set(), self.prefix, last)  # (served modules hold no parameters)
         defaults = {t.name: default_rows(last, find_table(last, t.name), *t.id_range, self.options.default)
                     for t in kv}
-        if not all(t.default_starts_match(*defaults[t.name]) for t in kv):
+        if not all(t.default_starts_match(defaults[t.name][1]) for t in kv):
             return None
         for m in served:
             for name, t in list(m.tables.items()):

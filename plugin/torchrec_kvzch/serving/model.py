@@ -107,10 +107,11 @@ def _configs(module):
 def _served_module(chain: list[Link], prefix: str, path: str, module, options: ServingOptions):
     bags = isinstance(module, EmbeddingBagCollection)
     entries = "embedding_bags" if bags else "embeddings"
+    base = f"{prefix}.{path}.{entries}." if path else f"{prefix}.{entries}."
     tables = []
     for config in _configs(module):
         pooling = _POOLING[config.pooling] if bags else "none"
-        fqn = f"{prefix}.{path}.{entries}.{config.name}." if path else f"{prefix}.{entries}.{config.name}."
+        fqn = f"{base}{config.name}."
         dtype = options.dtype_of(config.name)
         if config.name in chain[-1].tables:
             saved = find_table(chain[-1], config.name)
@@ -130,8 +131,7 @@ def _served_module(chain: list[Link], prefix: str, path: str, module, options: S
                 config.name, config.embedding_dim, dtype, pooling, capacity=config.num_embeddings,
                 id_range=(0, config.num_embeddings))))
     features = [list(c.feature_names) for c in _configs(module)]
-    saved_as = {c.name: f"{prefix}.{path}.{entries}.{c.name}.weight" if path else f"{prefix}.{entries}.{c.name}.weight"
-                for c in _configs(module)}
+    saved_as = {c.name: f"{base}{c.name}.weight" for c in _configs(module)}
     if bags:
         return ServedEmbeddingBagCollection(tables, features, saved_as, is_weighted=module.is_weighted())
     return ServedEmbeddingCollection(tables, features, saved_as)

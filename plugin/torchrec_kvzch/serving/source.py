@@ -24,14 +24,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from torchrec_kvzch.checkpoint.files import SavedFiles
-from torchrec_kvzch.checkpoint.integrity import check_files, checksum, item_key, read_item, recorded_checksums
+from torchrec_kvzch.checkpoint.integrity import check_files, checksum, item_key, read_saved, recorded_checksums
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.checkpoint.record import SavedTable, chain_link, saved_record
 from torchrec_kvzch.params import KVZCHTableParams
 from torchrec_kvzch.table.layout import RowLayout
+from torchrec_kvzch.torchrec.admission_state import DEFAULT_WEIGHT
 from torchrec_kvzch.torchrec.delta import DELETED
-
-DEFAULT_WEIGHT = "default_weight"  # admission's trainable default row, one per saving rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +54,10 @@ class SavedKVTable:
         """The id range of each saving rank, in rank order."""
         world = len(self.saved.rows)
         return [(r.id_start, r.id_end) for r in (self.params.bucket_range(k, world) for k in range(world))]
+
+    def ranks_in(self, lo: int, hi: int) -> list[int]:
+        """The saving ranks whose ids overlap ``[lo, hi)``."""
+        return [r for r, (a, b) in enumerate(self.rank_ids()) if a < hi and lo < b]
 
 
 class Link:
@@ -80,9 +83,6 @@ class Link:
     def is_delta(self) -> bool:
         return self.base is not None
 
-    def close(self) -> None:
-        self._files.close()
-
     # -- KV-ZCH rows --------------------------------------------------------------------------
     def chunks(self, table: SavedKVTable, lo: int, hi: int, entry: str = "weight") -> list[MetadataIndex]:
         """The saved chunks of ``<base><entry>`` (rows, or ``deleted_id``) that may hold ids in
@@ -92,14 +92,12 @@ class Link:
         if not isinstance(meta, TensorStorageMetadata):
             raise ValueError(f"{self.path}: KV-ZCH table '{table.saved.name}' has no entry '{fqn}'; "
                              "the checkpoint is damaged or was not saved by CheckpointManager")
-        per_rank = table.saved.rows if entry == "weight" else table.saved.deleted
-        starts, first = [], 0
-        for (a, b), n in zip(table.rank_ids(), per_rank or ()):
-            if n and a < hi and lo < b:
-                starts.append((first, first + n))
-            first += n
+        per_rank = (table.saved.rows if entry == "weight" else table.saved.deleted) or ()
+        firsts = [sum(per_rank[:r]) for r in range(len(per_rank))]
+        spans = [(firsts[r], firsts[r] + per_rank[r]) for r in table.ranks_in(lo, hi)
+                 if r < len(per_rank) and per_rank[r]]
         return [MetadataIndex(fqn, c.offsets) for c in sorted(meta.chunks, key=lambda c: c.offsets[0])
-                if any(a < c.offsets[0] + c.sizes[0] and c.offsets[0] < b for a, b in starts)]
+                if any(a < c.offsets[0] + c.sizes[0] and c.offsets[0] < b for a, b in spans)]
 
     def check(self, indices: list[MetadataIndex]) -> None:
         """Every file region ``indices`` lie in exists and is complete."""
@@ -172,7 +170,7 @@ class Link:
                     out = torch.empty(n, dtype=dtype)
                 value = self._files.read_rows(span, 0, out.view(-1)[:n]).view(sizes)
             else:
-                value = read_item(FileSystemReader(self.path), self.metadata, index)
+                value = read_saved(str(self.path), self.metadata, index)
         except ValueError as e:
             raise ValueError(f"{self._where(index)} is damaged ({e}); restore it or serve another "
                              "checkpoint") from e

@@ -79,9 +79,9 @@ class ServedTable:
     ``id_range``: the ids this table serves, ``[lo, hi)`` (a replica of some buckets serves
     theirs); a lookup of any other id is refused. ``initial``: ``(low, high, seed)`` of the
     trained table's initializer: an id without a row reads the id-seeded weights a row of it
-    would start with, as training's evaluation does (``RowStore.peek``), instead of a default. Updates (``upsert``, ``delete``) change the
-    table in place; a replica that must never show half an update builds the next version
-    beside this one and swaps the reference."""
+    would start with, as training's evaluation does (``RowStore.peek``), instead of a default.
+    Updates (``upsert``, ``delete``) change the table in place; a replica that must never show
+    half an update builds the next version beside this one and swaps the reference."""
 
     def __init__(self, name: str, dim: int, dtype: str = "fp32", pooling: str = "sum",
                  default_rows: torch.Tensor | None = None, capacity: int = 0, *,
@@ -154,15 +154,15 @@ class ServedTable:
         out.rows[:used].copy_(self.rows[:used])
         return out
 
-    def default_starts_match(self, rows: torch.Tensor | None, starts: torch.Tensor | None) -> bool:
-        """Whether default rows ``rows`` serving ids from ``starts`` (None: one zero row) fit
-        this table's default rows (the same id ranges: the other rows stay where they are)."""
+    def default_starts_match(self, starts: torch.Tensor | None) -> bool:
+        """Whether default rows serving ids from ``starts`` (None: one zero row) fit this
+        table's default rows (the same id ranges: the other rows stay where they are)."""
         starts = torch.tensor([self.id_range[0]]) if starts is None else starts
         return torch.equal(starts, self.default_starts)
 
     def set_defaults(self, rows: torch.Tensor | None, starts: torch.Tensor | None) -> None:
         """Replace the default rows (``default_starts_match`` must hold)."""
-        if not self.default_starts_match(rows, starts):
+        if not self.default_starts_match(starts):
             raise ValueError(f"served table '{self.name}': default rows for other id ranges than "
                              f"{self.default_starts.tolist()}; build a new table")
         self.rows[: self.defaults] = encode(torch.zeros(1, self.dim) if rows is None else rows, self.dtype)
@@ -173,7 +173,6 @@ class ServedTable:
                            len(self), default_starts=self.default_starts, id_range=self.id_range, initial=self.initial)
 
     # -- updates ------------------------------------------------------------------------------
-
     def upsert(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Set the rows of ``ids`` (distinct) to ``weights`` ``[n, dim]``, adding absent ids.
         ``weights`` may be a strided view (a checkpoint chunk's weight columns): new rows are

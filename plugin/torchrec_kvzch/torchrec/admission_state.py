@@ -27,7 +27,8 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torchrec_kvzch.table.tbe import TableTBE
 
 SKETCH, TOTALS = "admission_sketch", "admission_totals"
-ADMISSION_ENTRIES = (SKETCH, TOTALS, "default_weight", "default_momentum1")
+DEFAULT_WEIGHT = "default_weight"  # each shard's trainable default row
+ADMISSION_ENTRIES = (SKETCH, TOTALS, DEFAULT_WEIGHT, "default_momentum1")
 
 
 def live_state(tbe: TableTBE) -> dict[str, torch.Tensor]:

@@ -64,6 +64,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -191,23 +192,17 @@ def latencies(table: ServedTable, universe: torch.Tensor, batch: int, pooling: i
 
 
 # -- memory --------------------------------------------------------------------------------------
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def memory_worker(rows: int, dim: int, reserve: bool, chunk: int = 1 << 20) -> dict:
     """An int8 served table of ``rows`` random ids, filled by upserts of ``chunk`` ids: its
     ``nbytes`` and the process's RSS growth, per row and over the raw quantized row."""
     gen = torch.Generator().manual_seed(1)
     ids = global_ids(rows, seed=1)  # (made before the first RSS reading: the benchmark's, not the table's)
-    before = rss_bytes()
+    process = psutil.Process()  # (RSS as the other benchmarks read it)
+    before = process.memory_info().rss
     table = ServedTable("memory", dim, dtype="int8", capacity=rows if reserve else 0)
     for part in ids.split(chunk):
         table.upsert(part, torch.randn(part.numel(), dim, generator=gen))
-    grown = rss_bytes() - before
+    grown = process.memory_info().rss - before
     raw = rows * (dim + 4)
     assert len(table) == rows
     return {"rows": rows, "nbytes": table.nbytes, "rss_growth": grown,

@@ -6,6 +6,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -44,14 +45,17 @@ def net():
     return test_resume.Net(test_resume.table_params("ttl", admission=ADMISSION))
 
 
-def test_a_follower_serves_each_new_delta_whole_and_keeps_serving_through_a_damaged_one(pools, tmp_path):
+@pytest.mark.parametrize("spare", [True, False], ids=["spare", "copies"])
+def test_a_follower_serves_each_new_delta_whole_and_keeps_serving_through_a_damaged_one(pools, tmp_path, spare):
+    """With a spare version (deltas applied to it, the old version catching up once its
+    requests leave) and without (a copy per version): the same versions, whole, in order."""
     population = torch.randint(0, test_resume.BUCKETS * test_resume.BUCKET_SIZE, (40,),
                                generator=torch.Generator().manual_seed(0))
     ids = population[torch.arange(30) % 40]
     probe = probe_batch(ids, ids.flip(0), torch.arange(30) % 40)
     root = str(tmp_path)
     first = pools[1].run(train_phase, root, 0, 2, probe, ADMISSION)[0]
-    follower = Follower(net, root)
+    follower = Follower(net, root, spare=spare)
     assert follower.current.step == 2 and not follower.poll()
     assert predict(follower, probe) == (2, first)
     second = pools[1].run(train_phase, root, 2, 4, probe, ADMISSION)[0]
@@ -82,12 +86,17 @@ def test_a_follower_serves_each_new_delta_whole_and_keeps_serving_through_a_dama
     assert predict(follower, probe) == (4, second) and held[0][0] == 2 and torch.equal(held[0][1], first)
     assert all(s == (2, first) or s == (4, second) for s in seen)
 
-    pools[1].run(train_phase, root, 4, 6, probe, ADMISSION)  # step 6: a delta of 4; damaged below
-    step6 = os.path.join(root, "step-00000006")
-    data = damage(step6, "model.ebc.embedding_bags.t.weight")
+    # Step 6, a delta of 4: with a spare, applied to the version retired at the swap to 4, which
+    # must have caught up with step 4 once its requests left.
+    third = pools[1].run(train_phase, root, 4, 6, probe, ADMISSION)[0]
+    assert follower.poll() and predict(follower, probe) == (6, third)
+
+    pools[1].run(train_phase, root, 6, 8, probe, ADMISSION)  # step 8: a delta of 6; damaged below
+    step8 = os.path.join(root, "step-00000008")
+    data = damage(step8, "model.ebc.embedding_bags.t.weight")
     assert not follower.poll()
-    assert follower.current.step == 4 and "step 6 was not served" in follower.last_error
-    assert f"step-00000006/{data} is corrupt" in follower.last_error, follower.last_error
-    assert predict(follower, probe) == (4, second)
+    assert follower.current.step == 6 and "step 8 was not served" in follower.last_error
+    assert f"step-00000008/{data} is corrupt" in follower.last_error, follower.last_error
+    assert predict(follower, probe) == (6, third)
     status = follower.status()
-    assert status["behind_steps"] == 2 and status["lag_s"] > 0 and status["step"] == 4
+    assert status["behind_steps"] == 2 and status["lag_s"] > 0 and status["step"] == 6

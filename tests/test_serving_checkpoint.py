@@ -144,6 +144,10 @@ def test_bad_requests_name_the_table_and_the_fix(pools, tmp_path):
         build_table(chain, "t", buckets=(4, 9))
     with pytest.raises(ValueError, match="served table 't': default 'random' is unknown; use one of admission, zeros"):
         build_table(chain, "t", default="random")
+    import test_resume
+    wide = dataclasses.replace(test_resume.table_params()[0], embedding_dim=16)
+    with pytest.raises(ValueError, match=r"served table 't': its parameters give embedding_dim 16, .* saved it with 8"):
+        build_table(chain, "t", default="initial", params=wide)
 
 
 # -- the served model ----------------------------------------------------------------------------

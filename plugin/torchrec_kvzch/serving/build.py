@@ -68,6 +68,11 @@ def build_table(chain: list[Link], name: str, *, dtype: str = "fp32", pooling: s
         raise ValueError(f"served table '{name}': default 'initial' needs the table's parameters as trained "
                          "(their init_range and init_seed); pass them")
     table = check_chain(chain, name)
+    for field in ("embedding_dim", "num_embeddings", "total_num_buckets") if params is not None else ():
+        if getattr(params, field) != getattr(table.saved, field):
+            raise ValueError(f"served table '{name}': its parameters give {field} {getattr(params, field)}, "
+                             f"{chain[-1].path} saved it with {getattr(table.saved, field)}; pass the "
+                             "parameters it was trained with")
     lo, hi = bucket_ids(table, buckets)
     rows, starts = default_rows(chain[-1], table, lo, hi, default)
     for link in chain:  # every file checked before the first row is read

@@ -11,6 +11,15 @@ import time
 import torch
 
 
+def percentiles(values: list[float], qs: tuple[float, ...]) -> list[float]:
+    """The ``qs`` quantiles of ``values`` (linear interpolation, as ``torch.quantile``); NaN
+    for none. One definition for every benchmark's p50 and p99."""
+    if not values:
+        return [float("nan")] * len(qs)
+    q = torch.tensor(values, dtype=torch.float64).quantile(torch.tensor(qs, dtype=torch.float64))
+    return q.tolist()
+
+
 def median_ms(fn, reps: int, warmup: int = 2) -> float:
     """Median wall time of ``fn()`` in ms, after ``warmup`` untimed calls."""
     return interleaved_median_ms([fn], reps, warmup)[0]

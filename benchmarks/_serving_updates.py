@@ -32,6 +32,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from _common import percentiles
 from bench_checkpoint import RssSampler, build
 
 BATCH, POOLING = 512, 20
@@ -153,8 +154,7 @@ def follow(rows: int, dim: int, root: str) -> dict:
     follower.stop()
 
     def p99(spans):
-        ms = sorted((b - a) * 1e3 for a, b in spans)
-        return ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else float("nan")
+        return percentiles([(b - a) * 1e3 for a, b in spans], (0.99,))[0]
 
     steady = [(a, b) for a, b in requests if b <= steady_end]
     during = [(a, b) for a, b in requests if b >= committed and a <= visible]

@@ -3,6 +3,12 @@
     python benchmarks/bench_serving.py --json results/bench_serving.json     # and results/bench_serving.png
     python benchmarks/bench_serving.py --json /tmp/serving.json --rows 100000 --rows-memory 200000 \\
         --steps 50 --reps 200                                     # a quick check of the script
+    python benchmarks/bench_serving.py --json OUT/gpu_serving.json --device cuda --lookups-only   # GPU
+
+``--device cuda`` runs the lookups (throughput and latency, below) with both tables in GPU
+memory, each call timed to the end of its GPU work (``torch.cuda.synchronize``);
+``--lookups-only`` leaves out the memory, replica and update parts (CPU-side work), as the GPU
+check does (``tools/gpu/check.sh``, into ``docs/benchmarks/gpu_serving.json``).
 
 Throughput (``qps_ratio_<dtype>``, int8 and fp16): one table of ``--rows`` (1M) rows x 128,
 random normal weights, held twice with the same rows. Ours: a ``ServedTable`` of that dtype
@@ -68,7 +74,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from _common import fixed_mmap_threshold, print_targets, same_huge_pages_for_the_baseline, zipf_ranks
+from _common import fixed_mmap_threshold, percentiles, print_targets, same_huge_pages_for_the_baseline, zipf_ranks
 from bench_lookup import batches
 from torchrec_kvzch.serving import ServedTable, decode
 
@@ -83,14 +89,15 @@ ID_SPACE = 2**63 - 1
 
 
 # -- the two tables ------------------------------------------------------------------------------
-def float_ebc(rows: int, dim: int, seed: int):
-    """TorchRec's float EmbeddingBagCollection of one table (feature "f") with random normal rows."""
+def float_ebc(rows: int, dim: int, seed: int, device: torch.device):
+    """TorchRec's float EmbeddingBagCollection of one table (feature "f") with random normal rows
+    (drawn on the CPU: the same rows on every device)."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
     ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows,
-                                                            feature_names=["f"])], device=torch.device("cpu"))
+                                                            feature_names=["f"])], device=device)
     with torch.no_grad():
-        ebc.embedding_bags["t"].weight.normal_(generator=torch.Generator().manual_seed(seed))
+        ebc.embedding_bags["t"].weight.copy_(torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed)))
     return ebc
 
 
@@ -112,8 +119,9 @@ def global_ids(rows: int, seed: int) -> torch.Tensor:
 
 
 def served(weights: torch.Tensor, universe: torch.Tensor, dtype: str) -> ServedTable:
-    """A served table in which id ``universe[i]`` holds row ``weights[i]``."""
-    table = ServedTable("bench", weights.shape[1], dtype=dtype, pooling="sum", capacity=universe.numel())
+    """A served table in which id ``universe[i]`` holds row ``weights[i]`` (on their device)."""
+    table = ServedTable("bench", weights.shape[1], dtype=dtype, pooling="sum", capacity=universe.numel(),
+                        device=weights.device)
     for at in torch.arange(universe.numel()).split(1 << 20):
         table.upsert(universe[at], weights[at])
     return table
@@ -148,25 +156,33 @@ def check(table: ServedTable, qebc, universe: torch.Tensor, local: torch.Tensor,
 
 
 # -- timing --------------------------------------------------------------------------------------
+def clock(device: torch.device) -> float:
+    """``perf_counter`` once the device's queued work is done (CUDA: synchronize)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def compare(table: ServedTable, qebc, inputs: list, offsets: torch.Tensor, warmup: int) -> dict:
     """Ours and TorchRec's lookups alternating call by call (which goes first alternates too),
     then the pieces (id -> row mapping, TorchRec's TBE alone) interleaved on the same batches."""
     ours, base = [], []
+    dev = table.device
     for i, (local, ids, kjt) in enumerate(inputs):
         pair = ((lambda: table.lookup(ids, offsets), ours), (lambda: qebc(kjt).values(), base))
         for fn, times in pair if i % 2 else pair[::-1]:
-            t0 = time.perf_counter()
+            t0 = clock(dev)
             fn()
             if i >= warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
+                times.append((clock(dev) - t0) * 1e3)
     tbe = qebc._emb_modules[0]
     slots_t, tbe_t = [], []
     for i, (local, ids, _) in enumerate(inputs):
         for fn, times in ((lambda: table.slots(ids), slots_t), (lambda: tbe.forward(local, offsets), tbe_t)):
-            t0 = time.perf_counter()
+            t0 = clock(dev)
             fn()
             if i >= warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
+                times.append((clock(dev) - t0) * 1e3)
     ours_ms, base_ms = statistics.median(ours), statistics.median(base)
     tag = table.dtype
     return {f"ours_ms_{tag}": ours_ms, f"torchrec_ms_{tag}": base_ms, f"qps_ratio_{tag}": base_ms / ours_ms,
@@ -178,17 +194,18 @@ def latencies(table: ServedTable, universe: torch.Tensor, batch: int, pooling: i
     """p50 and p99 of single lookups of ``batch`` bags of Zipf ids, each call timed on its own."""
     n = batch * pooling
     gen = torch.Generator().manual_seed(100 + batch)
-    ids = universe[zipf_ranks(universe.numel(), (warmup + reps) * n, ZIPF, gen)].split(n)
-    offsets = torch.arange(0, n + 1, pooling)
+    dev = table.device
+    ids = universe[zipf_ranks(universe.numel(), (warmup + reps) * n, ZIPF, gen).to(dev)].split(n)
+    offsets = torch.arange(0, n + 1, pooling, device=dev)
     times = []
     for i, chunk in enumerate(ids):
-        t0 = time.perf_counter()
+        t0 = clock(dev)
         table.lookup(chunk, offsets)
         if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.5, 0.99], dtype=torch.float64))
+            times.append((clock(dev) - t0) * 1e3)
+    p50, p99 = percentiles(times, (0.5, 0.99))
     tag = f"{table.dtype}_b{batch}"
-    return {f"p50_ms_{tag}": q[0].item(), f"p99_ms_{tag}": q[1].item()}
+    return {f"p50_ms_{tag}": p50, f"p99_ms_{tag}": p99}
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -227,13 +244,14 @@ def memory_in_fresh_process(args, reserve: bool) -> dict:
 
 
 # -- report --------------------------------------------------------------------------------------
-def versions() -> dict:
+def versions(device: torch.device) -> dict:
     import fbgemm_gpu
     import torchrec
 
     return {"torch": torch.__version__, "fbgemm_gpu": fbgemm_gpu.__version__, "torchrec": torchrec.__version__,
             "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads(), "load_average": list(os.getloadavg())}
+            "threads": torch.get_num_threads(), "load_average": list(os.getloadavg()),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -282,6 +300,9 @@ def main() -> None:
     parser.add_argument("--rows-build", type=int, default=4_000_000, help="rows of the checkpoint a replica is built from")
     parser.add_argument("--rows-follow", type=int, default=10_000_000, help="rows of the table a follower serves")
     parser.add_argument("--build-repeats", type=int, default=3, help="builds and training loads, alternating")
+    parser.add_argument("--device", default="cpu", help="where the lookups run: cpu or cuda")
+    parser.add_argument("--lookups-only", action="store_true", help="only throughput and latency (no memory, "
+                                                                    "replica or update parts)")
     parser.add_argument("--memory-worker", choices=["grown", "reserved"], help=argparse.SUPPRESS)
     parser.add_argument("--updates-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -299,28 +320,30 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from torchrec import KeyedJaggedTensor
 
-    results: dict = {**versions(), "rows": args.rows, "dim": args.dim, "batch": args.batch,
-                     "pooling": args.pooling, "zipf_alpha": ZIPF, "steps": args.steps, "reps": args.reps,
-                     "rows_memory": args.rows_memory}
-    progress = tqdm(total=3 + len(LATENCY_DTYPES), desc="bench_serving", unit="stage")
-    updates = updates_in_fresh_process(args)
-    results.update(updates)
-    progress.update(1)
-    memory = {kind: memory_in_fresh_process(args, kind == "reserved") for kind in ("grown", "reserved")}
-    progress.update(2)
-    results.update({"served_bytes_per_row_over_raw_int8_10m": memory["grown"]["nbytes_over_raw"],
-                    "served_rss_bytes_per_row_over_raw_int8_10m": memory["grown"]["rss_over_raw"],
-                    "served_bytes_per_row_over_raw_int8_10m_reserved": memory["reserved"]["nbytes_over_raw"],
-                    "served_rss_bytes_per_row_over_raw_int8_10m_reserved": memory["reserved"]["rss_over_raw"],
-                    "memory": memory})
+    device = torch.device(args.device)
+    results: dict = {**versions(device), "rows": args.rows, "dim": args.dim, "batch": args.batch,
+                     "pooling": args.pooling, "zipf_alpha": ZIPF, "steps": args.steps, "reps": args.reps}
+    progress = tqdm(total=(0 if args.lookups_only else 3) + len(LATENCY_DTYPES), desc="bench_serving", unit="stage")
+    memory = {}
+    if not args.lookups_only:
+        results.update(updates_in_fresh_process(args), rows_memory=args.rows_memory)
+        progress.update(1)
+        memory = {kind: memory_in_fresh_process(args, kind == "reserved") for kind in ("grown", "reserved")}
+        progress.update(2)
+        results.update({"served_bytes_per_row_over_raw_int8_10m": memory["grown"]["nbytes_over_raw"],
+                        "served_rss_bytes_per_row_over_raw_int8_10m": memory["grown"]["rss_over_raw"],
+                        "served_bytes_per_row_over_raw_int8_10m_reserved": memory["reserved"]["nbytes_over_raw"],
+                        "served_rss_bytes_per_row_over_raw_int8_10m_reserved": memory["reserved"]["rss_over_raw"],
+                        "memory": memory})
 
-    ebc = float_ebc(args.rows, args.dim, seed=0)
+    ebc = float_ebc(args.rows, args.dim, seed=0, device=device)
     weights = ebc.embedding_bags["t"].weight.detach()
-    universe = global_ids(args.rows, seed=0)
-    offsets = torch.arange(0, args.batch * args.pooling + 1, args.pooling)
-    lengths = torch.full((args.batch,), args.pooling)
+    universe = global_ids(args.rows, seed=0).to(device)
+    offsets = torch.arange(0, args.batch * args.pooling + 1, args.pooling, device=device)
+    lengths = torch.full((args.batch,), args.pooling, device=device)
     inputs = [(local, universe[local], KeyedJaggedTensor(keys=["f"], values=local, lengths=lengths, offsets=offsets))
-              for local in batches(args.rows, args.batch, args.pooling, "zipf", args.warmup + args.steps, seed=7)]
+              for local in (b.to(device) for b in batches(args.rows, args.batch, args.pooling, "zipf",
+                                                          args.warmup + args.steps, seed=7))]
     for dtype in ("int8", "fp16", "fp32"):
         table = served(weights, universe, dtype)
         if dtype in QPS_DTYPES:
@@ -336,8 +359,30 @@ def main() -> None:
     progress.close()
 
     results["load_average_end"] = list(os.getloadavg())
-    results["targets"] = {
-        **{f"qps_ratio_{d} >= {TARGET_QPS}": results[f"qps_ratio_{d}"] >= TARGET_QPS for d in QPS_DTYPES},
+    results["targets"] = {f"qps_ratio_{d} >= {TARGET_QPS}": results[f"qps_ratio_{d}"] >= TARGET_QPS for d in QPS_DTYPES}
+    if not args.lookups_only:
+        results["targets"].update(targets_beyond_lookups(results))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    plot(results, args.plot or args.json.with_suffix(".png"))
+    print(f"\nserved lookups on {results['device']}, {args.rows:,} rows x {args.dim}, batch {args.batch} x pooling "
+          f"{args.pooling}, Zipf({ZIPF}); load average {results['load_average'][0]:.2f} on {results['cpus']} CPUs")
+    for d in QPS_DTYPES:
+        r = {key[: -len(d) - 1]: value for key, value in results.items() if key.endswith(f"_{d}")}
+        print(f"  {d:5s} ours {r['ours_ms']:7.3f} ms   TorchRec quant EBC {r['torchrec_ms']:7.3f} ms   "
+              f"throughput ratio {r['qps_ratio']:.3f}   (slots {r['slots_ms']:.3f} ms, TorchRec's TBE alone "
+              f"{r['torchrec_tbe_ms']:.3f} ms; max |diff| {r['check_max_abs_diff']:.2g})")
+    for d in LATENCY_DTYPES:
+        print(f"  {d:5s} " + "   ".join(f"b{b}: p50 {results[f'p50_ms_{d}_b{b}']:.3f} "
+                                        f"p99 {results[f'p99_ms_{d}_b{b}']:.3f} ms" for b in LATENCY_BATCHES))
+    if not args.lookups_only:
+        print_beyond_lookups(results, memory)
+    print_targets(results["targets"])
+    print(f"wrote {args.json}")
+
+
+def targets_beyond_lookups(results: dict) -> dict:
+    return {
         f"served_bytes_per_row_over_raw_int8_10m <= {TARGET_BYTES}":
             results["served_bytes_per_row_over_raw_int8_10m"] <= TARGET_BYTES,
         "build_vs_training_load_ratio <= 1.0": results["build_vs_training_load_ratio"] <= 1.0,
@@ -347,19 +392,9 @@ def main() -> None:
         "max_abs_diff_fp32 == 0": results["max_abs_diff_fp32"] == 0,
         "max_abs_diff_int8 <= max_abs_diff_int8_bound": results["max_abs_diff_int8"] <= results["max_abs_diff_int8_bound"],
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2))
-    plot(results, args.plot or args.json.with_suffix(".png"))
-    print(f"\nserved lookups, {args.rows:,} rows x {args.dim}, batch {args.batch} x pooling {args.pooling}, "
-          f"Zipf({ZIPF}); load average {results['load_average'][0]:.2f} on {results['cpus']} CPUs")
-    for d in QPS_DTYPES:
-        r = {key[: -len(d) - 1]: value for key, value in results.items() if key.endswith(f"_{d}")}
-        print(f"  {d:5s} ours {r['ours_ms']:7.3f} ms   TorchRec quant EBC {r['torchrec_ms']:7.3f} ms   "
-              f"throughput ratio {r['qps_ratio']:.3f}   (slots {r['slots_ms']:.3f} ms, TorchRec's TBE alone "
-              f"{r['torchrec_tbe_ms']:.3f} ms; max |diff| {r['check_max_abs_diff']:.2g})")
-    for d in LATENCY_DTYPES:
-        print(f"  {d:5s} " + "   ".join(f"b{b}: p50 {results[f'p50_ms_{d}_b{b}']:.3f} "
-                                        f"p99 {results[f'p99_ms_{d}_b{b}']:.3f} ms" for b in LATENCY_BATCHES))
+
+
+def print_beyond_lookups(results: dict, memory: dict) -> None:
     print(f"  replica built from {results['rows_build']:,} rows: {results['build_s']:.2f} s vs training load "
           f"{results['training_load_s']:.2f} s (ratio {results['build_vs_training_load_ratio']:.3f}), "
           f"peak extra {results['build_peak_extra_mib']:.0f} MiB; max |diff| fp32 {results['max_abs_diff_fp32']:.3g}, "
@@ -370,8 +405,6 @@ def main() -> None:
     for kind, m in memory.items():
         print(f"  memory, {m['rows']:,} int8 rows, {kind}: nbytes {m['nbytes_over_raw']:.3f} x raw, "
               f"RSS growth {m['rss_over_raw']:.3f} x raw")
-    print_targets(results["targets"])
-    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

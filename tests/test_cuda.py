@@ -164,3 +164,136 @@ def test_the_job_trains_and_logs_on_a_cuda_rank(tmp_path):
     assert [m["step"] for m in lines if m["kind"] == "train"] == [1, 2, 3]
     assert [m["step"] for m in lines if m["kind"] == "eval"] == [2, 3]  # held-out AUC from a CUDA model
     assert json.loads((run / "summary.json").read_text())["checkpoint_step"] == 3
+
+
+# -- serving (issue 31) ---------------------------------------------------------------------------
+# On CUDA a served table maps ids with the id map's GPU kernels; rehearsed on the CPU, with the
+# torch twin they stand on.
+SERVED_MAP = "auto" if CUDA.type == "cuda" else "torch"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("pooling", ["sum", "mean", "none"])
+def test_serving_a_table_on_cuda_reads_as_on_cpu(dtype, pooling):
+    """Rows in GPU memory (padded to 16 bytes: dim 10 pads every dtype), grown past their
+    first capacity, replaced and deleted, read as the CPU table's: ``weights`` bit for bit,
+    fbgemm's CUDA lookups to the rounding of another summation order; default rows by id
+    range; an id outside the table refused by name; a copy independent."""
+    from torchrec_kvzch.serving import ServedTable
+    gen = torch.Generator().manual_seed(3)
+    dim, top = 10, 2**41
+    kw = dict(default_rows=torch.randn(2, dim, generator=gen), default_starts=torch.tensor([0, 2**40]),
+              id_range=(0, top), capacity=16)
+    gpu = ServedTable("t", dim, dtype, pooling, device=CUDA, id_map=SERVED_MAP, **kw)
+    cpu = ServedTable("t", dim, dtype, pooling, **kw)
+    universe = torch.randint(0, top, (3000,), generator=gen).unique()
+    for _ in range(4):
+        ids = universe[torch.randperm(universe.numel(), generator=gen)[:1500]]
+        rows = torch.randn(ids.numel(), dim, generator=gen)
+        gpu.upsert(ids.to(CUDA), rows.to(CUDA))
+        cpu.upsert(ids, rows)
+        assert gpu.delete(ids[:200].to(CUDA)) == cpu.delete(ids[:200])
+    assert len(gpu) == len(cpu) > 1000
+    if CUDA.type == "cuda":
+        assert gpu.rows.device == CUDA and gpu.id_map.backend.name == "triton" and gpu.row_bytes % 16 == 0
+    query = torch.cat([universe[:500], torch.randint(0, top, (100,), generator=gen)])
+    assert torch.equal(gpu.weights(query.to(CUDA)).cpu(), cpu.weights(query))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.sort(torch.randint(0, 601, (149,), generator=gen)).values,
+                         torch.tensor([600])])
+    weights = None if pooling == "none" else torch.rand(600, generator=gen)
+    got = gpu.lookup(query.to(CUDA), offsets.to(CUDA), None if weights is None else weights.to(CUDA))
+    torch.testing.assert_close(got.cpu(), cpu.lookup(query, offsets, weights), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=rf"served table 't': id {top} \(position 1 of the batch\) is outside"):
+        gpu.lookup(torch.tensor([5, top], device=CUDA), torch.tensor([0, 2], device=CUDA))
+    twin = gpu.copy()
+    twin.delete(query[:100].to(CUDA))
+    assert torch.equal(gpu.weights(query.to(CUDA)).cpu(), cpu.weights(query))
+
+
+def test_serving_initial_weights_on_cuda_are_the_cpu_ones():
+    """``initial``: an id without a row reads its id-seeded initial weights, computed on the
+    device bit for bit as the native op computes them on the CPU."""
+    from torchrec_kvzch.serving import ServedTable
+    gpu = ServedTable("t", 6, initial=(-0.1, 0.1, 7), device=CUDA, id_map=SERVED_MAP)
+    cpu = ServedTable("t", 6, initial=(-0.1, 0.1, 7))
+    for t in (gpu, cpu):
+        t.upsert(torch.tensor([3, 9], device=t.device), torch.ones(2, 6, device=t.device))
+    query, offsets = torch.tensor([3, 4, 9, 2**50, 11]), torch.tensor([0, 2, 5])
+    assert torch.equal(gpu.weights(query.to(CUDA)).cpu(), cpu.weights(query))
+    torch.testing.assert_close(gpu.lookup(query.to(CUDA), offsets.to(CUDA)).cpu(), cpu.lookup(query, offsets))
+
+
+def test_serving_a_model_on_cuda_predicts_as_on_cpu_follows_a_delta_and_exports(tmp_path):
+    """The test model trained on CPU ranks and saved as a chain of deltas, served on CUDA:
+    predictions as the CPU replica's (ids without rows reading their initial weights); a
+    follower on CUDA applies the next deltas; the CUDA program exported from it loads in a
+    process that imports ``torchrec_kvzch.ops`` and no TorchRec, and predicts the same."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    import test_resume
+    from test_serving_checkpoint import probe_batch, train_phase
+    from torchrec_kvzch.serving import Follower, ServingOptions, export_served, served_model
+
+    kv = test_resume.table_params("ttl")
+    options = ServingOptions(default="initial", kvzch={t.name: t for t in kv})
+    on_cuda = dataclasses.replace(options, device=CUDA)
+    probe = probe_batch(torch.tensor([1, 2, 3, 2**32 + 5]), torch.tensor([3, 4, 5, 6]), torch.tensor([5, 6, 7, 8]))
+    run = str(tmp_path / "run")
+    run_ranks(2, train_phase, run, 0, 4, probe)
+    follower = Follower(lambda: test_resume.Net(kv), run, options=on_cuda)
+
+    def agree(step):
+        cpu, _ = served_model(test_resume.Net(kv), run, options=options)
+        with torch.no_grad(), follower.serving() as version:
+            assert version.step == step
+            torch.testing.assert_close(version.model(probe.to(CUDA)).cpu(), cpu(probe), rtol=1e-5, atol=1e-6)
+
+    agree(4)
+    run_ranks(2, train_phase, run, 4, 8, probe)  # two more saves: deltas on the version served
+    assert follower.poll() and follower.last_error is None
+    agree(8)
+    with follower.serving() as version:
+        program = export_served(version.model, (probe.to(CUDA),))
+        with torch.no_grad():
+            want = version.model(probe.to(CUDA)).cpu()
+    torch.export.save(program, tmp_path / "model.pt2")
+    torch.save((probe.values(), probe.lengths(), want), tmp_path / "case.pt")
+    script = f"""
+import sys, torch
+import torchrec_kvzch.ops
+program = torch.export.load({str(tmp_path / 'model.pt2')!r}).module()
+values, lengths, want = torch.load({str(tmp_path / 'case.pt')!r})
+torch.testing.assert_close(program(values.to({str(CUDA)!r}), lengths.to({str(CUDA)!r})).cpu(), want)
+assert not [m for m in sys.modules if m == "torchrec" or m.startswith("torchrec.")], "TorchRec was imported"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_serving_the_job_over_http_on_cuda_scores_as_trained(tmp_path):
+    """``torchrec-kvzch-serve --device cuda`` over a run trained on CPU ranks: the fixed
+    batch's scores as the trained model's (to the rounding of CUDA's other summation orders)."""
+    import subprocess
+    import sys
+
+    from test_serve import fixed_batch, request
+    from test_train import train
+
+    run = tmp_path / "run"
+    _, trained = train(run, "--steps", 4, "--checkpoint-every", 2, "--incremental-every", 1)
+    proc = subprocess.Popen([sys.executable, "-m", "torchrec_kvzch.job.serve", "--checkpoints", str(run / "checkpoints"),
+                             "--port", "0", "--device", str(CUDA)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "http://127.0.0.1:" in line, proc.stderr.read()[-3000:]
+        code, reply = request(line.split()[-1] + "/predict", {"examples": fixed_batch()})
+        assert code == 200 and reply["step"] == 4, reply
+        torch.testing.assert_close(torch.tensor(reply["scores"]), torch.tensor(trained["probe_final"]),
+                                   rtol=1e-5, atol=1e-6)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "plugin" / "torchrec_kvzch"
-# Bottom to top. The package's __init__ (the public API) and the deprecated aliases of old
-# import paths sit outside the layers: they may import any of them.
+# Bottom to top. The package's __init__ (the public API), ops.py (the ops a served program
+# calls) and the deprecated aliases of old import paths sit outside the layers: they may
+# import any of them.
 LAYERS = ["params", "table", "torchrec", "checkpoint", "serving", "job"]
-FACADES = {"torchrec_kvzch", "torchrec_kvzch.sharding", "torchrec_kvzch.config", "torchrec_kvzch.train",
+FACADES = {"torchrec_kvzch", "torchrec_kvzch.ops", "torchrec_kvzch.sharding", "torchrec_kvzch.config", "torchrec_kvzch.train",
            "torchrec_kvzch.checkpoint.planner"}
 MAX_LINES = 400
 

@@ -45,18 +45,24 @@ ops = st.lists(st.tuples(st.sampled_from(["upsert", "delete"]),
 
 
 DEFAULT_STARTS = {0: None, 1: [0], 3: [0, 20, 45]}  # declared default rows -> the ids each serves from
+# How a table maps ids: by the native op (CPU), or as on CUDA (kvzch::served_rows_py over the id
+# map's other backends), rehearsed on the CPU; tests/test_cuda.py runs that on a GPU, with the
+# rows padded to 16 bytes as fbgemm's CUDA op reads them.
+LAYOUTS = {"cpu": {}, "cuda": {"id_map": "torch"}}
 
 
 @settings(max_examples=40, deadline=None)
 @given(ops=ops, dtype=st.sampled_from(["fp32", "fp16", "int8"]), pooling=st.sampled_from(["sum", "mean", "none"]),
-       defaults=st.sampled_from(sorted(DEFAULT_STARTS)), weighted=st.booleans(), seed=st.integers(0, 2**16))
-def test_after_any_updates_every_id_reads_its_last_row_or_the_default(ops, dtype, pooling, defaults, weighted, seed):
+       defaults=st.sampled_from(sorted(DEFAULT_STARTS)), weighted=st.booleans(), seed=st.integers(0, 2**16),
+       layout=st.sampled_from(sorted(LAYOUTS)))
+def test_after_any_updates_every_id_reads_its_last_row_or_the_default(ops, dtype, pooling, defaults, weighted, seed,
+                                                                      layout):
     gen = torch.Generator().manual_seed(seed)
     dim = 8
     default_rows = torch.randn(defaults, dim, generator=gen) if defaults else None
     starts = DEFAULT_STARTS[defaults]
     table = ServedTable("t", dim, dtype, pooling, default_rows=default_rows, capacity=4,
-                        default_starts=None if starts is None else torch.tensor(starts))
+                        default_starts=None if starts is None else torch.tensor(starts), **LAYOUTS[layout])
     truth: dict[int, torch.Tensor] = {}
     for op, ids in ops:
         if op == "upsert":
@@ -133,10 +139,7 @@ def test_a_replica_refuses_ids_outside_its_range_by_table_and_position(backend, 
     from torchrec_kvzch import native_status
     if backend == "native" and not native_status():
         pytest.skip("the native op is not built here")
-    table = ServedTable("item", 4, id_range=(100, 200))
-    if backend == "torch":
-        from torchrec_kvzch.table.id_map import IdMap
-        table.id_map = IdMap("torch")
+    table = ServedTable("item", 4, id_range=(100, 200), id_map=backend)
     table.upsert(torch.tensor([150]), torch.ones(1, 4))
     for ids, bad, pos in ([150, 99, 151], 99, 1), ([200], 200, 0):
         with pytest.raises(ValueError, match=rf"served table 'item': id {bad} \(position {pos} of the batch\) "
@@ -151,11 +154,12 @@ def test_a_replica_refuses_ids_outside_its_range_by_table_and_position(backend, 
 @given(stored=st.lists(st.integers(0, 2**62), max_size=300, unique=True),
        erased=st.lists(st.integers(0, 299), max_size=50), extra=st.lists(st.integers(0, 2**62), max_size=50),
        starts=st.lists(st.integers(1, 2**62), max_size=4, unique=True))
-def test_the_native_served_row_op_agrees_with_the_torch_id_map(stored, erased, extra, starts):
-    """``kvzch::served_rows`` (one pass: slot + k, or the default of the id's range) reads the
-    rows the torch id map finds."""
+def test_the_served_row_ops_agree_with_the_torch_id_map(stored, erased, extra, starts):
+    """``kvzch::served_rows`` (native, one pass: slot + k, or the default of the id's range) and
+    ``kvzch::served_rows_py`` (any backend) read the rows the torch id map finds."""
     from torchrec_kvzch import native_status
     from torchrec_kvzch.table.id_map import IdMap
+    from torchrec_kvzch.table.served_rows import served_rows_py
     if not native_status():
         pytest.skip("the native op is not built here")
     maps = [IdMap("native"), IdMap("torch")]
@@ -168,30 +172,55 @@ def test_the_native_served_row_op_agrees_with_the_torch_id_map(stored, erased, e
     slots = maps[1].find(query)
     reference = torch.where(slots >= 0, slots + starts.numel(), torch.searchsorted(starts, query, right=True) - 1)
     assert torch.equal(native, reference)
+    assert torch.equal(served_rows_py(maps[1].table, query, starts, 0, 2**63 - 1, "t"), reference)
 
 
-def test_the_served_row_op_exports():
-    """With its Meta kernel, the id -> row step traces into an exported program that runs as
-    eager does (the served model's export builds on it)."""
+class Lookup(torch.nn.Module):
+    """One served table's pooled lookup, as a module to export."""
+
+    def __init__(self, table: ServedTable):
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids, offsets):
+        return self.table.lookup(ids, offsets)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_served_table_exports_with_its_id_check(layout, tmp_path):
+    """With their fake kernels, the id -> row ops trace into an exported program that runs as
+    eager does (the served model's export builds on it), the range check included, and loads
+    in a process that imports ``torchrec_kvzch.ops`` and no TorchRec."""
+    import subprocess
+    import sys
     from torchrec_kvzch import native_status
-    if not native_status():
+    if layout == "cpu" and not native_status():
         pytest.skip("the native op is not built here")
-    table = ServedTable("t", 4)
+    table = ServedTable("t", 4, default_rows=torch.ones(2, 4), default_starts=torch.tensor([0, 30]),
+                        id_range=(0, 100), **LAYOUTS[layout])
     table.upsert(torch.tensor([11, 22, 33]), torch.randn(3, 4))
-
-    class Rows(torch.nn.Module):
-        def __init__(self, id_map_table, starts):
-            super().__init__()
-            self.register_buffer("map", id_map_table)
-            self.register_buffer("starts", starts)
-
-        def forward(self, ids):
-            return torch.ops.kvzch.served_rows(self.map, ids, self.starts, 0, 100, "t")
-
-    ids = torch.tensor([33, 5, 11, 22, 7])
-    program = torch.export.export(Rows(table.id_map.table, table.default_starts), (ids,),
-                                  dynamic_shapes=({0: torch.export.Dim("n", min=2)},))
-    assert torch.equal(program.module()(ids), table.slots(ids))
-    assert torch.equal(program.module()(ids[:3]), torch.tensor([3, 0, 1]))
+    ids, offsets = torch.tensor([33, 5, 11, 22, 7, 40]), torch.tensor([0, 2, 6])
+    n = torch.export.Dim("n", min=2)
+    program = torch.export.export(Lookup(table), (ids, offsets), dynamic_shapes=({0: n}, None))
+    assert torch.equal(program.module()(ids, offsets), table.lookup(ids, offsets))
+    assert torch.equal(program.module()(ids[:3], torch.tensor([0, 1, 3])), table.lookup(ids[:3], torch.tensor([0, 1, 3])))
     with pytest.raises(ValueError, match=r"served table 't': id 100 \(position 1 of the batch\)"):
-        program.module()(torch.tensor([33, 100]))
+        program.module()(torch.tensor([33, 100]), torch.tensor([0, 1, 2]))
+    torch.export.save(program, tmp_path / "t.pt2")
+    torch.save((ids, offsets, table.lookup(ids, offsets)), tmp_path / "want.pt")
+    script = f"""
+import sys, torch
+import torchrec_kvzch.ops
+program = torch.export.load({str(tmp_path / 't.pt2')!r}).module()
+ids, offsets, want = torch.load({str(tmp_path / 'want.pt')!r})
+assert torch.equal(program(ids, offsets), want)
+try:
+    program(torch.tensor([33, 100]), torch.tensor([0, 1, 2]))
+    raise SystemExit("an id outside the table was served")
+except ValueError as e:
+    assert "id 100 (position 1 of the batch)" in str(e), e
+assert not [m for m in sys.modules if m == "torchrec" or m.startswith("torchrec.")], "TorchRec was imported"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]

@@ -1,5 +1,6 @@
 """torchrec-kvzch: KV-ZCH (key-value, zero-collision hashing) embedding tables for TorchRec."""
 
+import importlib
 import logging
 from importlib.metadata import PackageNotFoundError, version
 
@@ -46,62 +47,38 @@ def check_stack() -> bool:
 
 check_stack()
 
-# The public API, one layer after another; each layer imports only the ones above it here.
-from torchrec_kvzch.params import (  # noqa: E402
-    AdmissionPolicy,
-    BucketRange,
-    EvictionKind,
-    EvictionPolicy,
-    EvictionTrigger,
-    KVZCHTableParams,
-    OptimizerKind,
-    RankBudget,
-)
-from torchrec_kvzch.table import (  # noqa: E402
-    IdMap,
-    KVTensor,
-    RowLayout,
-    RowPart,
-    RowStore,
-    SharedBudget,
-    TableTBE,
-    native_status,
-)
-from torchrec_kvzch.torchrec import (  # noqa: E402
-    KVZCHConstraints,
-    KVZCHEmbeddingBagCollectionSharder,
-    KVZCHEmbeddingCollectionSharder,
-    KVZCHShardingPlanner,
-    kvzch_embedding_bag_config,
-    kvzch_embedding_config,
-    kvzch_sharders,
-    kvzch_tables,
-)
-from torchrec_kvzch.torchrec.config import ConfigError, ShardingConfig, load_config  # noqa: E402
-from torchrec_kvzch.checkpoint import (  # noqa: E402
-    CheckpointError,
-    CheckpointManager,
-    KVZCHAsyncStager,
-    KVZCHFileSystemWriter,
-    KVZCHLoadPlanner,
-    KVZCHSavePlanner,
-)
+# The public API, one layer after another, imported on first use (PEP 562), so that a process
+# that only needs our ops or one table shard (``import torchrec_kvzch.ops``: a loaded program)
+# does not import TorchRec.
+_EXPORTS = {
+    "torchrec_kvzch.params": ("AdmissionPolicy", "BucketRange", "EvictionKind", "EvictionPolicy",
+                              "EvictionTrigger", "KVZCHTableParams", "OptimizerKind", "RankBudget"),
+    "torchrec_kvzch.table": ("IdMap", "KVTensor", "RowLayout", "RowPart", "RowStore", "SharedBudget", "TableTBE",
+                             "native_status"),
+    "torchrec_kvzch.torchrec": ("KVZCHConstraints", "KVZCHEmbeddingBagCollectionSharder",
+                                "KVZCHEmbeddingCollectionSharder", "KVZCHShardingPlanner", "kvzch_embedding_bag_config",
+                                "kvzch_embedding_config", "kvzch_sharders", "kvzch_tables"),
+    "torchrec_kvzch.torchrec.config": ("ConfigError", "ShardingConfig", "load_config"),
+    "torchrec_kvzch.checkpoint": ("CheckpointError", "CheckpointManager", "KVZCHAsyncStager", "KVZCHFileSystemWriter",
+                                  "KVZCHLoadPlanner", "KVZCHSavePlanner"),
+}
+_SUBPACKAGES = ("params", "table", "torchrec", "checkpoint", "serving", "job", "ops")
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = [
-    # parameters
-    "AdmissionPolicy", "BucketRange", "EvictionKind", "EvictionPolicy", "EvictionTrigger", "KVZCHTableParams",
-    "OptimizerKind", "RankBudget",
-    # one table shard
-    "IdMap", "KVTensor", "RowLayout", "RowPart", "RowStore", "SharedBudget", "TableTBE",
-    "native_status",
-    # TorchRec
-    "ConfigError", "KVZCHConstraints", "KVZCHEmbeddingBagCollectionSharder",
-    "KVZCHEmbeddingCollectionSharder", "KVZCHShardingPlanner", "ShardingConfig",
-    "kvzch_embedding_bag_config", "kvzch_embedding_config", "kvzch_sharders", "kvzch_tables",
-    "load_config",
-    # checkpoints
-    "CheckpointError", "CheckpointManager", "KVZCHAsyncStager", "KVZCHFileSystemWriter", "KVZCHLoadPlanner",
-    "KVZCHSavePlanner",
-    # the stack
-    "SUPPORTED_STACKS", "check_stack", "installed_stack", "installed_versions",
-]
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        if name in _SUBPACKAGES:  # ``torchrec_kvzch.checkpoint...`` after ``import torchrec_kvzch``
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module 'torchrec_kvzch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # (once)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))
+
+
+__all__ = [*_MODULE_OF, "SUPPORTED_STACKS", "check_stack", "installed_stack", "installed_versions"]

@@ -3,6 +3,8 @@
 # in .gpu/ (make gpu-kit):   tools/gpu/check.sh OUT
 #   1. the GPU's name, the kit's setup                          -> OUT/gpu.log (everything)
 #   2. the CUDA kernel tests (stops here if they fail), the rest -> OUT/kernel.xml, OUT/cuda.xml
+#      serving on CUDA: tables, a model following deltas, export, the HTTP server -> OUT/serving.xml
+#      and its lookups against TorchRec's quantized EBC -> OUT/gpu_serving.json, OUT/gpu_serving.png
 #   3. benchmarks/bench_gpu.py against fbgemm's CUDA TBE     -> OUT/gpu.json, OUT/gpu.png, gpu_profile.txt
 #   4. the job under torchrun with NCCL: train, checkpoint, resume on the GPU and on 2 CPU
 #      processes, predictions compared                          -> OUT/job.json
@@ -10,6 +12,8 @@
 #   6. TorchRec's pipelines against a plain loop                 -> OUT/pipelines.xml
 # Each stage has a time budget, all together KVZCH_CHECK_BUDGET_S (default 500 s, so that a
 # rerun fits a 15-minute lease); a stage that would start past it is skipped and said so.
+# KVZCH_CHECK_STAGES picks stages by key (default all: kernel cuda serving bench job dmp
+# pipelines), e.g. "kernel serving" for a session that only has serving to check.
 # KVZCH_CHECK_REHEARSE=1 runs it all on the CPU (small tables, gloo for NCCL) to check this
 # script before GPU minutes are spent on it; that checks the plumbing, not CUDA.
 set -uo pipefail
@@ -27,15 +31,20 @@ if [ "${KVZCH_CHECK_REHEARSE:-0}" = 1 ]; then
   export KVZCH_CUDA_TEST_DEVICE=cpu PYTHONPATH="$PWD/plugin${PYTHONPATH:+:$PYTHONPATH}"
   bench=(--device cpu --rows 20000 40000 --batches 2048 512 --steps 5 --warmup 1)
   dmp=(--device cpu --batch 4096 --steps 5)
+  serve=(--rows 100000 --steps 30 --reps 100)
 else
   dev=cuda; py=python3
   export KVZCH_REQUIRE_CUDA=1
-  bench=(); dmp=()
+  bench=(); dmp=(); serve=()
 fi
 
-# stage NAME SECONDS CMD...: runs CMD under what is left of its budget and of the total.
+stages=" ${KVZCH_CHECK_STAGES:-kernel cuda serving bench job dmp pipelines} "
+
+# stage KEY NAME SECONDS CMD...: runs CMD under what is left of its budget and of the total,
+# if KEY is one of the stages asked for.
 stage() {
-  local name=$1 want=$2; shift 2
+  local key=$1 name=$2 want=$3; shift 3
+  [[ "$stages" == *" $key "* ]] || return 0
   local left=$((budget - SECONDS))
   if [ "$left" -lt 20 ]; then
     echo "== $name: skipped, ${SECONDS}s of ${budget}s spent"; failed+=("$name (skipped)"); return 1
@@ -63,9 +72,12 @@ if [ "$dev" = cuda ]; then
 fi
 
 pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts=-ra)
-stage "kernel tests" 150 "${pytest[@]}" tests/test_cuda.py -k kernel --junitxml="$out/kernel.xml" || finish
-stage "CUDA tests" 200 "${pytest[@]}" tests/test_cuda.py -k "not kernel" --junitxml="$out/cuda.xml"
-stage "benchmark" 170 "$py" benchmarks/bench_gpu.py "${bench[@]}" --json "$out/gpu.json" --plot "$out/gpu.png" \
+stage kernel "kernel tests" 150 "${pytest[@]}" tests/test_cuda.py -k kernel --junitxml="$out/kernel.xml" || finish
+stage cuda "CUDA tests" 200 "${pytest[@]}" tests/test_cuda.py -k "not kernel and not serving" --junitxml="$out/cuda.xml"
+stage serving "serving tests" 150 "${pytest[@]}" tests/test_cuda.py -k serving --junitxml="$out/serving.xml"
+stage serving "serving benchmark" 90 "$py" benchmarks/bench_serving.py --device "$dev" --lookups-only "${serve[@]}" \
+  --json "$out/gpu_serving.json"
+stage bench "benchmark" 170 "$py" benchmarks/bench_gpu.py "${bench[@]}" --json "$out/gpu.json" --plot "$out/gpu.png" \
   --profile "$out/gpu_profile.txt"
 
 job() {  # train 40 steps with checkpoints, resume from step 40 on this device and on 2 CPU ranks
@@ -80,9 +92,9 @@ job() {  # train 40 steps with checkpoints, resume from step 40 on this device a
   "$py" tools/gpu/compare_job.py "$work" "$out/job.json"
 }
 export -f job; export dev py work out
-stage "job" 150 bash -c job
-stage "DMP benchmark" 90 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/bench_gpu.py --dmp "${dmp[@]}" \
+stage job "job" 150 bash -c job
+stage dmp "DMP benchmark" 90 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/bench_gpu.py --dmp "${dmp[@]}" \
   --json "$out/gpu_dmp.json"
-stage "pipelines" 150 "${pytest[@]}" tests/test_pipelines.py -k "cuda or semi_sync_pipeline" \
+stage pipelines "pipelines" 150 "${pytest[@]}" tests/test_pipelines.py -k "cuda or semi_sync_pipeline" \
   --junitxml="$out/pipelines.xml"
 finish

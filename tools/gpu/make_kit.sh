@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the offline kit for a GPU machine (sm_90, Python 3.12, torch 2.11.0+cu130 preinstalled,
 # no package index) into OUT (default .gpu, git-ignored): fbgemm-gpu 1.6.0 repacked for sm_90 only
-# (465 MB wheel -> ~59 MB), torchrec 1.6.1 and the wheels of its needs that such a machine lacks,
+# (465 MB wheel -> ~54 MB, its inference library included), torchrec 1.6.1 and the wheels of its needs that such a machine lacks,
 # and setup.sh. Run on a machine that reaches PyPI; docs/gpu.md says how the kit is used.
 set -euo pipefail
 out=${1:-.gpu}

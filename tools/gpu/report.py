@@ -2,10 +2,13 @@
 
     python tools/gpu/report.py RUN      # RUN: the folder check.sh wrote (its OUT)
 
-Copies the run's ``gpu.json``, ``gpu.png``, ``gpu_dmp.json``, ``gpu_profile.txt`` and ``job.json`` (as ``gpu_job.json``)
-into ``docs/benchmarks/``, writes ``docs/benchmarks/gpu_run.json`` (when, which commit, on which
-GPU, and the tests each JUnit file counted) and rewrites the table between the ``gpu:table``
-markers of ``docs/gpu.md`` from those files.
+Training (a run with ``gpu.json``): copies the run's ``gpu.json``, ``gpu.png``, ``gpu_dmp.json``,
+``gpu_profile.txt`` and ``job.json`` (as ``gpu_job.json``) into ``docs/benchmarks/``, writes
+``docs/benchmarks/gpu_run.json`` (when, which commit, on which GPU, and the tests each JUnit
+file counted) and rewrites the table between the ``gpu:table`` markers of ``docs/gpu.md``.
+Serving (a run with ``gpu_serving.json``): the same for ``gpu_serving.json`` / ``.png`` and
+``serving.xml``, into ``gpu_serving_run.json`` and between the ``gpu:serving`` markers. A run
+of some stages (``KVZCH_CHECK_STAGES``) renews the parts it has, and leaves the others.
 """
 
 from __future__ import annotations
@@ -21,36 +24,44 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "benchmarks"
 PAGE = ROOT / "docs" / "gpu.md"
 MARKERS = ("<!-- gpu:table:start -->", "<!-- gpu:table:end -->")
+SERVING_MARKERS = ("<!-- gpu:serving:start -->", "<!-- gpu:serving:end -->")
+SERVING_TESTS = "serving"  # (its JUnit file's stem: the serving part's, not the training part's)
 COPIES = {"gpu.json": "gpu.json", "gpu.png": "gpu.png", "gpu_dmp.json": "gpu_dmp.json", "job.json": "gpu_job.json",
           "gpu_profile.txt": "gpu_profile.txt"}
 TARGET, TARGET_BATCH = 0.7, 65_536
 
 
-def tests(run: Path) -> dict:
-    """Per JUnit file: tests, failures, errors, skipped."""
+def tests(run: Path, serving: bool = False) -> dict:
+    """Per JUnit file of the training part (``serving``: of the serving part): tests, failures,
+    errors, skipped."""
     out = {}
-    for path in sorted(run.glob("*.xml")):
+    for path in sorted(p for p in run.glob("*.xml") if (p.stem == SERVING_TESTS) == serving):
         suite = ET.parse(path).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         out[path.stem] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     return out
 
 
-def run_record(run: Path) -> dict:
+def run_record(run: Path, serving: bool = False) -> dict:
     first = (run / "gpu.log").read_text().splitlines()[0]  # "== GPU check <date>, <commit>"
     date, commit = re.match(r"== GPU check (\S+), (\S+)", first).groups()
-    bench = json.loads((run / "gpu.json").read_text())
-    return {"date": date, "commit": commit, "device": bench["device"], "tests": tests(run)}
+    bench = json.loads((run / ("gpu_serving.json" if serving else "gpu.json")).read_text())
+    return {"date": date, "commit": commit, "device": bench["device"], "tests": tests(run, serving)}
+
+
+def test_rows(record: dict) -> list[str]:
+    lines = ["| tests | passed | failed |", "|---|---|---|"]
+    for name, t in record["tests"].items():
+        lines.append(f"| {name} | {t['tests'] - t['failures'] - t['errors'] - t['skipped']} of {t['tests']} "
+                     f"| {t['failures'] + t['errors']} |")
+    return lines
 
 
 def table(record: dict, bench: dict, dmp: dict, job: dict) -> str:
     versions = ", ".join(f"{k} {bench[k]}" for k in ("torch", "cuda", "fbgemm_gpu", "torchrec"))
     lines = [f"One run of `tools/gpu/check.sh`, {record['date']}, commit {record['commit']}, on one "
              f"{record['device']} ({versions}); id map backend `{bench['map_backend']}`.", "",
-             "| tests | passed | failed |", "|---|---|---|"]
-    for name, t in record["tests"].items():
-        lines.append(f"| {name} | {t['tests'] - t['failures'] - t['errors'] - t['skipped']} of {t['tests']} "
-                     f"| {t['failures'] + t['errors']} |")
+             *test_rows(record)]
     lines += ["", f"Training step against fbgemm's CUDA TBE ({bench['dim']} fp32, pooling {bench['pooling']}; "
               f"target: `ratio_*_b{TARGET_BATCH}_*` >= {TARGET}):", "",
               "| case | ours ms | TBE ms | ratio | find_or_insert + touch ms | find ms |", "|---|---|---|---|---|---|"]
@@ -94,26 +105,60 @@ def profile_line(text: str, case: str) -> str:
             f"and {tbe_cpu:.2f} ms on it (profiled, so slower than unprofiled).")
 
 
+def serving_table(record: dict, bench: dict) -> str:
+    """The serving part: its tests, and served lookups against TorchRec's quantized EBC."""
+    versions = ", ".join(f"{k} {bench[k]}" for k in ("torch", "fbgemm_gpu", "torchrec"))
+    lines = [f"One run of `tools/gpu/check.sh`, {record['date']}, commit {record['commit']}, on one "
+             f"{record['device']} ({versions}).", "", *test_rows(record), "",
+             f"Served lookups, both tables in GPU memory ({bench['rows']:,} rows x {bench['dim']}, batch "
+             f"{bench['batch']} x pooling {bench['pooling']}, Zipf({bench['zipf_alpha']})), against TorchRec's "
+             "quantized EBC on the same GPU (`benchmarks/bench_serving.py --device cuda --lookups-only`, "
+             "`docs/benchmarks/gpu_serving.json`; each call timed to the end of its GPU work):", "",
+             "| dtype | ours ms | TorchRec ms | `qps_ratio` | ours: id -> row ms | TorchRec's TBE alone ms |",
+             "|---|---|---|---|---|---|"]
+    for d in ("int8", "fp16"):
+        lines.append(f"| {d} | {bench[f'ours_ms_{d}']:.3f} | {bench[f'torchrec_ms_{d}']:.3f} | "
+                     f"{bench[f'qps_ratio_{d}']:.3f} | {bench[f'slots_ms_{d}']:.3f} | {bench[f'torchrec_tbe_ms_{d}']:.3f} |")
+    batches = sorted({int(k.rsplit("_b", 1)[1]) for k in bench if k.startswith("p99_ms_")})
+    lines += ["", "Latency of one `ServedTable.lookup`, p50 / p99 ms:", "",
+              "| dtype | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
+    for d in ("fp32", "fp16", "int8"):
+        lines.append(f"| {d} | " + " | ".join(f"{bench[f'p50_ms_{d}_b{b}']:.3f} / {bench[f'p99_ms_{d}_b{b}']:.3f}"
+                                              for b in batches) + " |")
+    return "\n".join(lines)
+
+
 def _ms(value) -> str:
     return "" if value is None else f"{value:.2f}"
+
+
+def _rewrite(markers: tuple[str, str], text: str) -> None:
+    page = PAGE.read_text()
+    start, end = (page.index(m) for m in markers)
+    PAGE.write_text(page[: start + len(markers[0])] + "\n" + text + "\n" + page[end:])
+    print(text)
 
 
 def main() -> int:
     run = Path(sys.argv[1])
     DOCS.mkdir(parents=True, exist_ok=True)
-    for source, target in COPIES.items():
-        shutil.copyfile(run / source, DOCS / target)
-    record = run_record(run)
-    (DOCS / "gpu_run.json").write_text(json.dumps(record, indent=1) + "\n")
-    load = {name: json.loads((DOCS / name).read_text()) for name in ("gpu.json", "gpu_dmp.json", "gpu_job.json")}
-    text = table(record, load["gpu.json"], load["gpu_dmp.json"], load["gpu_job.json"])
-    if (DOCS / "gpu_profile.txt").exists():
-        text += "\n\n" + profile_line((DOCS / "gpu_profile.txt").read_text(),
-                                     next(k for k in load["gpu.json"] if k.startswith("ratio_"))[len("ratio_"):])
-    page = PAGE.read_text()
-    start, end = (page.index(m) for m in MARKERS)
-    PAGE.write_text(page[: start + len(MARKERS[0])] + "\n" + text + "\n" + page[end:])
-    print(text)
+    if (run / "gpu.json").exists():
+        for source, target in COPIES.items():
+            shutil.copyfile(run / source, DOCS / target)
+        record = run_record(run)
+        (DOCS / "gpu_run.json").write_text(json.dumps(record, indent=1) + "\n")
+        load = {name: json.loads((DOCS / name).read_text()) for name in ("gpu.json", "gpu_dmp.json", "gpu_job.json")}
+        text = table(record, load["gpu.json"], load["gpu_dmp.json"], load["gpu_job.json"])
+        if (DOCS / "gpu_profile.txt").exists():
+            text += "\n\n" + profile_line((DOCS / "gpu_profile.txt").read_text(),
+                                         next(k for k in load["gpu.json"] if k.startswith("ratio_"))[len("ratio_"):])
+        _rewrite(MARKERS, text)
+    if (run / "gpu_serving.json").exists():
+        for name in ("gpu_serving.json", "gpu_serving.png"):
+            shutil.copyfile(run / name, DOCS / name)
+        record = run_record(run, serving=True)
+        (DOCS / "gpu_serving_run.json").write_text(json.dumps(record, indent=1) + "\n")
+        _rewrite(SERVING_MARKERS, serving_table(record, json.loads((run / "gpu_serving.json").read_text())))
     return 0
 
 

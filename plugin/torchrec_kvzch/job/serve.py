@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--default", choices=list(DEFAULTS), default="initial",
                    help="what an id without a row reads (initial: as training's evaluation)")
     p.add_argument("--poll-s", type=float, default=1.0, help="seconds between looks for a new checkpoint")
+    p.add_argument("--device", default="cpu", help="where the model serves: cpu, or cuda (rows in GPU memory)")
     return p.parse_args(argv)
 
 
@@ -98,7 +99,7 @@ def to_batch(examples, features: list[str]) -> tuple[torch.Tensor, KeyedJaggedTe
     return torch.tensor(dense, dtype=torch.float32), kjt
 
 
-def handler(follower: Follower, features: list[str]):
+def handler(follower: Follower, features: list[str], device: torch.device):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path.rstrip("/") == "/status":
@@ -113,7 +114,7 @@ def handler(follower: Follower, features: list[str]):
                 dense, sparse = to_batch(body.get("examples") if isinstance(body, dict) else None, features)
                 torch.set_num_threads(1)  # (per thread: requests run side by side, one core each)
                 with follower.serving() as version, torch.no_grad():  # one version for the whole request
-                    scores = torch.sigmoid(version.model(dense, sparse).squeeze(-1))
+                    scores = torch.sigmoid(version.model(dense.to(device), sparse.to(device)).squeeze(-1)).cpu()
                     step = version.step
             except (ValueError, json.JSONDecodeError) as e:
                 return self._reply(400, {"error": str(e)})
@@ -138,11 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     checkpoints = Path(args.checkpoints)
     config = trained_config(checkpoints, args.config)
-    options = ServingOptions(dtype=args.dtype, default=args.default, kvzch={t.name: t for t in config.kvzch_tables})
+    options = ServingOptions(dtype=args.dtype, default=args.default, kvzch={t.name: t for t in config.kvzch_tables},
+                             device=args.device)
     follower = Follower(lambda: dlrm(config, torch.device("cpu")).model, checkpoints, prefix=PREFIX,
                         options=options, poll_s=args.poll_s).start()
     features = [f for c in config.embedding_bag_configs() for f in c.feature_names]
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), handler(follower, features))
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), handler(follower, features, torch.device(args.device)))
     print(f"serving step {follower.current.step} of {checkpoints} on http://127.0.0.1:{server.server_port}",
           flush=True)
     try:

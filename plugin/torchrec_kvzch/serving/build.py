@@ -56,11 +56,11 @@ def check_chain(chain: list[Link], name: str) -> SavedKVTable:
 
 def build_table(chain: list[Link], name: str, *, dtype: str = "fp32", pooling: str = "sum",
                 buckets: tuple[int, int] | None = None, default: str = "admission",
-                params: KVZCHTableParams | None = None) -> ServedTable:
+                params: KVZCHTableParams | None = None, device: str | torch.device = "cpu") -> ServedTable:
     """KV-ZCH table ``name`` as ``chain`` (a full checkpoint, then its deltas) restores it,
-    its ids in ``buckets`` only. ``default``: what an id without a row reads: ``admission``
-    (the table's trainable default row where it has one, else zeros), ``zeros``, or
-    ``initial`` (the id-seeded weights of ``params``, the table's parameters as trained)."""
+    its ids in ``buckets`` only, on ``device``. ``default``: what an id without a row reads:
+    ``admission`` (the table's trainable default row where it has one, else zeros), ``zeros``,
+    or ``initial`` (the id-seeded weights of ``params``, the table's parameters as trained)."""
     if default not in DEFAULTS:
         raise ValueError(f"served table '{name}': default {default!r} is unknown; use one of "
                          f"{', '.join(DEFAULTS)}")
@@ -80,7 +80,7 @@ def build_table(chain: list[Link], name: str, *, dtype: str = "fp32", pooling: s
     expected = sum(table.saved.rows[r] for r in table.ranks_in(lo, hi))
     initial = (*params.init_range, params.init_seed) if default == "initial" else None
     served = ServedTable(name, table.saved.embedding_dim, dtype, pooling, default_rows=rows, capacity=expected,
-                         default_starts=starts, id_range=(lo, hi), initial=initial)
+                         default_starts=starts, id_range=(lo, hi), initial=initial, device=device)
     for link in chain:
         apply(link, served, name)
     return served

@@ -207,7 +207,7 @@ class Follower:
         for link in links:  # every file checked before any table changes
             for t in kv:
                 check_link(link, find_table(link, t.name), *t.id_range)
-        dense = dense_entries(model, set(), self.prefix, last)  # (served modules hold no parameters)
+        dense = dense_entries(model, set(), self.prefix, last, self.options.device)  # (served modules hold none)
         defaults = {t.name: default_rows(last, find_table(last, t.name), *t.id_range, self.options.default)
                     for t in kv}
         if not all(t.default_starts_match(defaults[t.name][1]) for t in kv):

@@ -39,17 +39,25 @@ class ServingOptions:
     """How tables are served. ``dtype``: one for all tables or ``{table: dtype}`` (the others
     fp32); ``buckets``: ``{KV-ZCH table: (start, end)}`` for a replica of those buckets (the
     others whole); ``default``: what an id without a row reads (``build.build_table``);
-    ``kvzch``: the KV-ZCH tables' parameters as trained (``initial`` reads their initializer)."""
+    ``kvzch``: the KV-ZCH tables' parameters as trained (``initial`` reads their initializer);
+    ``device``: where the model serves, ``cpu`` or ``cuda`` (rows, id maps and the dense part
+    in its memory; batches are moved to it)."""
 
     dtype: str | dict[str, str] = "fp32"
     buckets: dict[str, tuple[int, int]] | None = None
     default: str = "admission"
     kvzch: dict[str, KVZCHTableParams] | None = None
+    device: str | torch.device = "cpu"
 
     def dtype_of(self, table: str) -> str:
         return self.dtype.get(table, "fp32") if isinstance(self.dtype, dict) else self.dtype
 
     def check(self, tables: set[str], kv_tables: set[str]) -> None:
+        device = torch.device(self.device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"ServingOptions.device {str(device)!r}: fbgemm's inference op serves on cpu or cuda")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"ServingOptions.device {str(device)!r}: torch sees no CUDA device here; serve on 'cpu'")
         dtypes = self.dtype if isinstance(self.dtype, dict) else {"*": self.dtype}
         for name, dtype in dtypes.items():
             if name != "*" and name not in tables:
@@ -88,7 +96,7 @@ def served_model(model: nn.Module, root: str | os.PathLike, *, step: int | None 
     names = {c.name for _, m in modules for c in _configs(m)}
     options.check(names, set(last.tables))
     served = {path: _served_module(chain, prefix, path, m, options) for path, m in modules}
-    dense = dense_entries(model, {path for path, _ in modules}, prefix, last)
+    dense = dense_entries(model, {path for path, _ in modules}, prefix, last, options.device)
     for path, module in served.items():  # (everything read: now the model changes)
         if not path:  # the model is the embedding module itself
             model = module
@@ -97,7 +105,7 @@ def served_model(model: nn.Module, root: str | os.PathLike, *, step: int | None 
         setattr(model.get_submodule(parent) if parent else model, name, module)
     for name, value in dense.items():
         assign(model, name, value)
-    return model.eval(), step
+    return model.to(options.device).eval(), step  # (and the buffers a state dict leaves out)
 
 
 def _configs(module):
@@ -125,11 +133,11 @@ def _served_module(chain: list[Link], prefix: str, path: str, module, options: S
                                  + _prefix_hint(saved.base, fqn, prefix))
             tables.append(build_table(chain, config.name, dtype=dtype, pooling=pooling,
                                       buckets=(options.buckets or {}).get(config.name), default=options.default,
-                                      params=(options.kvzch or {}).get(config.name)))
+                                      params=(options.kvzch or {}).get(config.name), device=options.device))
         else:
             tables.append(ordinary_table(chain[-1], fqn + "weight", ServedTable(
                 config.name, config.embedding_dim, dtype, pooling, capacity=config.num_embeddings,
-                id_range=(0, config.num_embeddings))))
+                id_range=(0, config.num_embeddings), device=options.device)))
     features = [list(c.feature_names) for c in _configs(module)]
     saved_as = {c.name: f"{base}{c.name}.weight" for c in _configs(module)}
     if bags:
@@ -154,15 +162,16 @@ def _prefix_hint(saved: str, wanted: str, prefix: str) -> str:
     return "; serve the model it was trained with"
 
 
-def dense_entries(model: nn.Module, embedding_paths: set[str], prefix: str, link: Link) -> dict[str, torch.Tensor]:
+def dense_entries(model: nn.Module, embedding_paths: set[str], prefix: str, link: Link,
+                  device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Every entry of the model's state dict outside the embedding modules at
     ``embedding_paths`` (its dense part; non-persistent buffers are the model's own), read
-    from ``link`` (checked as ``_read_entries`` says)."""
+    from ``link`` (checked as ``_read_entries`` says), on ``device``."""
     def inside(name):
         return any(p == "" or name.startswith(p + ".") for p in embedding_paths)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items() if not inside(name)}
     read = _read_entries(link, {f"{prefix}.{name}": shape for name, shape in shapes.items()}, "the dense model")
-    return {name: read[f"{prefix}.{name}"] for name in shapes}
+    return {name: read[f"{prefix}.{name}"].to(device) for name in shapes}
 
 
 def _read_entries(link: Link, shapes: dict[str, tuple], what: str) -> dict[str, torch.Tensor]:

@@ -12,6 +12,10 @@ serves the absent ids from ``default_starts[r]`` on, the ids of the rank that tr
 int8 rows are fbgemm's row-wise quantization: ``[scale fp16 | bias fp16 | D x uint8]``, a value
 being ``q * scale + bias`` (``encode`` writes it with fbgemm's own quantizer, whose output has
 the pair at the end of the row; the TBE reads it at the start).
+
+On CUDA the rows, the id map and every lookup stay on the device: fbgemm's CUDA inference op
+reads rows padded to 16 bytes (its ``row_alignment`` there), and ids map through the id map's
+GPU kernels (``kvzch::served_rows_py``, ``table/served_rows.py``).
 """
 
 from __future__ import annotations
@@ -26,15 +30,18 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from torchrec_kvzch.table.id_map import IdMap, as_ids
 from torchrec_kvzch.table.initializer import uniform_by_id_torch
 from torchrec_kvzch.table.native import empty_large, native_status, regrown, release_rows
+from torchrec_kvzch.table.served_rows import outside_message, served_rows_py
 
 SERVED_DTYPES = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8}
 POOLINGS = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}
 _QPARAM_BYTES = 4  # an int8 row's scale and bias, two fp16
 
 
-def row_bytes(dim: int, dtype: str) -> int:
-    """Bytes of one served row (fbgemm's CPU row alignment, 1)."""
-    return {"fp32": 4 * dim, "fp16": 2 * dim, "int8": dim + _QPARAM_BYTES}[dtype]
+def row_bytes(dim: int, dtype: str, alignment: int = 1) -> int:
+    """Bytes of one served row, padded to ``alignment`` bytes (fbgemm's inference op reads rows
+    padded to 16 on CUDA; on CPU it takes them unpadded, 1)."""
+    raw = {"fp32": 4 * dim, "fp16": 2 * dim, "int8": dim + _QPARAM_BYTES}[dtype]
+    return -(-raw // alignment) * alignment
 
 
 def encode(weights: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -80,13 +87,15 @@ class ServedTable:
     theirs); a lookup of any other id is refused. ``initial``: ``(low, high, seed)`` of the
     trained table's initializer: an id without a row reads the id-seeded weights a row of it
     would start with, as training's evaluation does (``RowStore.peek``), instead of a default.
-    Updates (``upsert``, ``delete``) change the table in place; a replica that must never show
+    ``device``: where the rows live and lookups run (CPU or CUDA); ``id_map``: the id map's
+    backend (``IdMap``: ``auto`` is the native op on CPU, the GPU kernels on CUDA). Updates (``upsert``, ``delete``) change the table in place; a replica that must never show
     half an update builds the next version beside this one and swaps the reference."""
 
     def __init__(self, name: str, dim: int, dtype: str = "fp32", pooling: str = "sum",
                  default_rows: torch.Tensor | None = None, capacity: int = 0, *,
                  default_starts: torch.Tensor | None = None, id_range: tuple[int, int] = (0, 2**63 - 1),
-                 initial: tuple[float, float, int] | None = None) -> None:
+                 initial: tuple[float, float, int] | None = None, device: torch.device | str = "cpu",
+                 id_map: str = "auto") -> None:
         def fail(problem: str) -> None:
             raise ValueError(f"served table '{name}': {problem}")
 
@@ -99,12 +108,17 @@ class ServedTable:
         if dtype == "int8" and dim % 2:
             fail(f"embedding_dim {dim} is odd: int8 rows keep their fp16 scale and bias aligned, "
                  "which needs an even dim; serve this table as fp16 or fp32")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         lo, hi = id_range
         if not 0 <= lo < hi:
             fail(f"id_range {id_range!r} is empty or negative; pass (lo, hi) with 0 <= lo < hi")
         self.name, self.dim, self.dtype, self.pooling = name, dim, dtype, pooling
         self.id_range = (int(lo), int(hi))
-        self.row_bytes = row_bytes(dim, dtype)
+        self.device = device
+        self.row_bytes = row_bytes(dim, dtype, 16 if device.type == "cuda" else 1)
+        self._raw_bytes = row_bytes(dim, dtype)  # (the rest of a row is padding)
         if default_rows is None:
             default_rows = torch.zeros(1, dim)
         default_rows = default_rows.reshape(-1, dim) if default_rows.numel() else default_rows
@@ -117,22 +131,23 @@ class ServedTable:
         if initial is not None and (starts.numel() != 1 or bool(default_rows.any())):
             fail("initial weights for ids without a row leave no room for default rows; give one or the other")
         self.initial = None if initial is None else (float(initial[0]), float(initial[1]), int(initial[2]))
-        self.default_starts = starts.contiguous()
+        self.default_starts = starts.to(device).contiguous()
         self.defaults = starts.numel()  # the rows before the first id's
-        self._native = native_status()
-        self.id_map = IdMap()
-        self.rows = empty_large((self.defaults + max(capacity, 0), self.row_bytes), torch.uint8,
-                                torch.device("cpu"), self._native, reserve=4 * (self.defaults + capacity))
-        self.rows[: self.defaults] = encode(default_rows, dtype)
+        self._native = native_status() and device.type == "cpu"  # (the native ops run on CPU)
+        self.id_map = IdMap(id_map, device)
+        self.rows = self._alloc(self.defaults + max(capacity, 0), reserve=4 * (self.defaults + capacity))
+        self.rows[: self.defaults] = self._encoded(default_rows.to(device))
         if capacity:
             self.id_map.reserve(capacity)
-        # What the lookup op needs beside the rows (one table, on the host).
-        self._offsets = torch.zeros(1, dtype=torch.int64)
-        self._placements = torch.tensor([EmbeddingLocation.HOST.value], dtype=torch.int32)
-        self._tys = torch.tensor([SERVED_DTYPES[dtype].as_int()], dtype=torch.uint8)
-        self._d_offsets = torch.tensor([0, dim], dtype=torch.int32)
-        self._no_bytes = torch.zeros(0, dtype=torch.uint8)
-        self._no_cache = (torch.zeros(0, 0, dtype=torch.uint8), torch.zeros(0, dtype=torch.int32))
+        # What the lookup op needs beside the rows (one table, in the device's memory).
+        on = dict(device=device)
+        self._offsets = torch.zeros(1, dtype=torch.int64, **on)
+        where = EmbeddingLocation.DEVICE if device.type == "cuda" else EmbeddingLocation.HOST
+        self._placements = torch.tensor([where.value], dtype=torch.int32, **on)
+        self._tys = torch.tensor([SERVED_DTYPES[dtype].as_int()], dtype=torch.uint8, **on)
+        self._d_offsets = torch.tensor([0, dim], dtype=torch.int32, **on)
+        self._no_bytes = torch.zeros(0, dtype=torch.uint8, **on)
+        self._no_cache = (torch.zeros(0, 0, dtype=torch.uint8, **on), torch.zeros(0, dtype=torch.int32, **on))
 
     def __len__(self) -> int:
         return len(self.id_map)
@@ -150,27 +165,44 @@ class ServedTable:
         # A plain allocation (with room for 1/8 more rows: untouched pages cost nothing): its
         # first touch is faster than a huge-page mapping's, whose faults may wait for the
         # kernel to compact memory; a follower copies a table per version.
-        out.rows = torch.empty((used + used // 8, self.row_bytes), dtype=torch.uint8)
+        out.rows = torch.empty((used + used // 8, self.row_bytes), dtype=torch.uint8, device=self.device)
         out.rows[:used].copy_(self.rows[:used])
         return out
+
+    def _alloc(self, rows: int, reserve: int) -> torch.Tensor:
+        """Room for ``rows`` rows: on CPU a mapping with address space for ``reserve`` rows
+        (``regrown`` grows it in place); elsewhere ``reserve`` rows outright."""
+        if self.device.type == "cpu":
+            return empty_large((rows, self.row_bytes), torch.uint8, self.device, self._native, reserve=reserve)
+        return torch.empty((max(rows, reserve), self.row_bytes), dtype=torch.uint8, device=self.device)
+
+    def _encoded(self, weights: torch.Tensor) -> torch.Tensor:
+        """``encode`` with each row padded to the table's row bytes."""
+        rows = encode(weights, self.dtype)
+        pad = self.row_bytes - rows.shape[1]
+        return torch.nn.functional.pad(rows, (0, pad)) if pad else rows
+
+    def _decoded(self, rows: torch.Tensor) -> torch.Tensor:
+        return decode(rows[:, : self._raw_bytes], self.dtype)
 
     def default_starts_match(self, starts: torch.Tensor | None) -> bool:
         """Whether default rows serving ids from ``starts`` (None: one zero row) fit this
         table's default rows (the same id ranges: the other rows stay where they are)."""
         starts = torch.tensor([self.id_range[0]]) if starts is None else starts
-        return torch.equal(starts, self.default_starts)
+        return torch.equal(starts.to(self.device), self.default_starts)
 
     def set_defaults(self, rows: torch.Tensor | None, starts: torch.Tensor | None) -> None:
         """Replace the default rows (``default_starts_match`` must hold)."""
         if not self.default_starts_match(starts):
             raise ValueError(f"served table '{self.name}': default rows for other id ranges than "
                              f"{self.default_starts.tolist()}; build a new table")
-        self.rows[: self.defaults] = encode(torch.zeros(1, self.dim) if rows is None else rows, self.dtype)
+        self.rows[: self.defaults] = self._encoded((torch.zeros(1, self.dim) if rows is None else rows).to(self.device))
 
     def empty_like(self) -> "ServedTable":
         """A table of the same kind and defaults without rows."""
-        return ServedTable(self.name, self.dim, self.dtype, self.pooling, decode(self.rows[: self.defaults], self.dtype),
-                           len(self), default_starts=self.default_starts, id_range=self.id_range, initial=self.initial)
+        return ServedTable(self.name, self.dim, self.dtype, self.pooling, self._decoded(self.rows[: self.defaults]),
+                           len(self), default_starts=self.default_starts, id_range=self.id_range, initial=self.initial,
+                           device=self.device, id_map=self.id_map.backend.name)
 
     # -- updates ------------------------------------------------------------------------------
     def upsert(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
@@ -178,6 +210,7 @@ class ServedTable:
         ``weights`` may be a strided view (a checkpoint chunk's weight columns): new rows are
         written from it in one copy."""
         ids = self._checked(ids)
+        weights = weights.to(self.device)
         if tuple(weights.shape) != (ids.numel(), self.dim):
             raise ValueError(f"served table '{self.name}': {ids.numel()} ids with weights of shape "
                              f"{list(weights.shape)}; expected [{ids.numel()}, {self.dim}]")
@@ -192,14 +225,17 @@ class ServedTable:
             start = before + self.defaults
             self._write(self.rows[start:start + ids.numel()], weights)
         else:
-            self.rows[slots + self.defaults] = encode(weights, self.dtype)
+            self.rows[slots + self.defaults] = self._encoded(weights)
 
     def _write(self, out: torch.Tensor, weights: torch.Tensor) -> None:
         """Contiguous served rows ``out`` from fp32 ``weights``, in one pass where the dtype allows."""
+        raw = out[:, : self._raw_bytes]
         if self.dtype == "int8":
-            out.copy_(encode(weights, "int8"))
+            raw.copy_(encode(weights, "int8"))
         else:
-            out.view(torch.float32 if self.dtype == "fp32" else torch.float16).copy_(weights)
+            raw.view(torch.float32 if self.dtype == "fp32" else torch.float16).copy_(weights)
+        if self._raw_bytes < self.row_bytes:
+            out[:, self._raw_bytes:].zero_()
 
     def _check_values(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Rows that would be served wrong are refused before anything changes: values that are
@@ -225,7 +261,7 @@ class ServedTable:
         """Remove ``ids`` (absent ones are ignored): they read the default from now on.
         Returns how many were removed."""
         before = len(self)
-        moves = self.id_map.erase(ids)
+        moves = self.id_map.erase(as_ids(ids, self.device))
         self.rows[moves.dst + self.defaults] = self.rows[moves.src + self.defaults]
         # The dead rows past the end go back to the OS (whole pages), as the training store's do.
         release_rows(self.rows, len(self) + self.defaults, before + self.defaults, self._native)
@@ -235,41 +271,35 @@ class ServedTable:
         if rows <= self.rows.shape[0]:
             return
         grown = regrown(self.rows, rows)
-        if grown is None:  # out of reserved address space: a copy, with room to grow again
-            grown = empty_large((rows, self.row_bytes), torch.uint8, torch.device("cpu"), self._native,
-                                reserve=2 * rows)
+        if grown is None:  # out of reserved room: a copy, with room to grow again
+            grown = self._alloc(rows, reserve=2 * rows)
             grown[: self.rows.shape[0]] = self.rows
         self.rows = grown
 
     # -- lookups ------------------------------------------------------------------------------
     def _checked(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = as_ids(ids, torch.device("cpu"), check=False)
+        ids = as_ids(ids, self.device, check=False)
         lo, hi = self.id_range
         bad = torch.nonzero((ids < lo) | (ids >= hi))
         if bad.numel():
             i = int(bad[0])
-            raise ValueError(f"served table '{self.name}': id {int(ids[i])} (position {i} of the batch) is "
-                             f"outside the ids this table serves, [{lo}, {hi}); route it to the replica of "
-                             "its buckets, or check the feature's ids")
+            raise ValueError(outside_message(self.name, int(ids[i]), i, lo, hi))
         return ids
 
     def slots(self, ids: torch.Tensor) -> torch.Tensor:
-        """The row each id reads: its own, or its default. With the native op, one pass
-        (``kvzch::served_rows``, which also exports: it has a Meta kernel)."""
-        if self.id_map.backend.name == "native":
-            return torch.ops.kvzch.served_rows(self.id_map.table, as_ids(ids, torch.device("cpu"), check=False),
-                                               self.default_starts, *self.id_range, self.name)
-        ids = self._checked(ids)
-        slots = self.id_map.find(ids)
-        default = torch.searchsorted(self.default_starts, ids, right=True) - 1
-        return torch.where(slots >= 0, slots + self.defaults, default)
+        """The row each id reads: its own, or its default, in one op that also exports (the
+        native ``kvzch::served_rows`` on CPU, ``kvzch::served_rows_py`` on the other backends;
+        both have fake kernels)."""
+        op = torch.ops.kvzch.served_rows if self.id_map.backend.name == "native" else served_rows_py
+        return op(self.id_map.table, as_ids(ids, self.device, check=False), self.default_starts, *self.id_range,
+                  self.name)
 
     def weights(self, ids: torch.Tensor) -> torch.Tensor:
         """The fp32 values each id reads, ``[n, dim]``."""
         rows = self.slots(ids)
-        out = decode(self.rows[rows], self.dtype)
+        out = self._decoded(self.rows[rows])
         initial = self._initial_rows(ids, rows)
-        return out if initial is None else out + decode(initial, self.dtype)
+        return out if initial is None else out + self._decoded(initial)
 
     def lookup(self, ids: torch.Tensor, offsets: torch.Tensor,
                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -279,12 +309,12 @@ class ServedTable:
             raise ValueError(f"served table '{self.name}': per-sample weights need a pooled table "
                              "(pooling sum or mean); a sequence table returns rows unweighted")
         rows = self.slots(ids)
-        weights = None if per_sample_weights is None else per_sample_weights.float()
-        offsets = offsets.to(torch.int64)
+        weights = None if per_sample_weights is None else per_sample_weights.to(self.device, torch.float32)
+        offsets = offsets.to(self.device, torch.int64)
         out = self._pool(self.rows.view(-1)[: (len(self) + self.defaults) * self.row_bytes], rows, offsets, weights)
         initial = self._initial_rows(ids, rows)
         if initial is not None:  # the same bags over the ids' initial rows (zero where an id has a row)
-            out = out + self._pool(initial.view(-1), torch.arange(rows.numel()), offsets, weights)
+            out = out + self._pool(initial.view(-1), torch.arange(rows.numel(), device=self.device), offsets, weights)
         return out
 
     def _initial_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
@@ -294,10 +324,10 @@ class ServedTable:
         if self.initial is None:
             return None
         low, high, seed = self.initial
-        ids = ids.reshape(-1).long()
-        init = (torch.ops.kvzch.uniform_by_id(ids, self.dim, low, high, seed) if self._native  # (exports)
+        ids = ids.reshape(-1).to(self.device, torch.long)
+        init = (torch.ops.kvzch.uniform_by_id(ids, self.dim, low, high, seed) if self._native  # (both export)
                 else uniform_by_id_torch(ids, self.dim, low, high, seed))
-        return encode(init * (rows < self.defaults).unsqueeze(1), self.dtype)
+        return self._encoded(init * (rows < self.defaults).unsqueeze(1))
 
     def _pool(self, dev_weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
               weights: torch.Tensor | None) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""Builds the native ops (`torchrec_kvzch._C`); everything else is in setup.cfg."""
+"""Builds the native ops (`torchrec_kvzch._C`) and lays out the packages: the code under
+plugin/, and the shipped sharding configs from the top-level configs/ as package data of
+`torchrec_kvzch.configs`, so that `--config NAME` works from an installed wheel. Everything
+else is in setup.cfg."""
 import platform
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 # On x86-64 the id map compares a bucket's keys with AVX2 (x86-64-v3: every x86 server CPU since
@@ -9,6 +12,9 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 
 setup(
+    package_dir={"": "plugin", "torchrec_kvzch.configs": "configs"},
+    packages=find_packages("plugin") + ["torchrec_kvzch.configs"],
+    package_data={"torchrec_kvzch.configs": ["*.yaml"]},
     ext_modules=[
         CppExtension(
             "torchrec_kvzch._C",

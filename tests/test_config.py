@@ -24,6 +24,28 @@ def test_shipped_configs_load_and_plan(name):
         assert (plan[table.name].compute_kernel == KVZCH_KERNEL) == is_kv
 
 
+def test_the_shipped_configs_are_the_top_level_ones_and_an_installed_package_carries_them(tmp_path):
+    """In a checkout they are read from the top-level ``configs/``; the package build copies
+    them into ``torchrec_kvzch/configs`` (setup.py's package data), where an installed
+    package finds them by name."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert CONFIGS == root / "configs" and {p.name for p in CONFIGS.glob("*.yaml")} >= {"quickstart.yaml", "criteo.yaml"}
+    built = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=root,
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    packaged = tmp_path / "torchrec_kvzch" / "configs"
+    assert sorted(p.name for p in packaged.glob("*.yaml")) == sorted(p.name for p in CONFIGS.glob("*.yaml"))
+    found = subprocess.run([sys.executable, "-c", "from torchrec_kvzch.job import config_path; "
+                            "print(config_path('quickstart'))"], capture_output=True, text=True, timeout=120,
+                           env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert found.returncode == 0, found.stderr[-3000:]
+    assert Path(found.stdout.strip()) == packaged / "quickstart.yaml"
+
+
 def test_quickstart_declares_two_kvzch_tables_and_one_ordinary():
     config = load_config(CONFIGS / "quickstart.yaml")
     assert [t.name for t in config.kvzch_tables] == ["user", "item"]

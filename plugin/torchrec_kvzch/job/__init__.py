@@ -3,8 +3,16 @@ N processes with checkpoints and resume at any world size; ``demo`` is ``make de
 
 from pathlib import Path
 
-# The sharding configs shipped with the package (package data); ``--config NAME`` picks one.
-SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+def _shipped_configs() -> Path:
+    """The shipped sharding configs: installed from a wheel, the package's ``configs/`` (package
+    data); in a checkout (an editable install, the GPU kit), its top-level ``configs/``."""
+    installed = Path(__file__).resolve().parents[1] / "configs"
+    return installed if installed.is_dir() else Path(__file__).resolve().parents[3] / "configs"
+
+
+# ``--config NAME`` picks one of these.
+SHIPPED_CONFIGS = _shipped_configs()
 
 
 def config_path(name_or_path: str | Path) -> Path:

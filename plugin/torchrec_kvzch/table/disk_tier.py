@@ -1,0 +1,322 @@
+"""The disk tier of one table shard: the rows that do not fit its DRAM budget, in a file on local
+disk (issue 32; docs/design.md, "The disk tier's storage engine", says why this engine).
+
+A row is in DRAM or here, never both: the row store moves rows here when they leave its cache
+(``put``) and back when a batch needs them (``take``). The file holds whole rows of a fixed
+size at positions, grouped in units (4 KiB, or the multiple of it one row needs), and is read
+and written a unit at a time with ``O_DIRECT`` by the native op (``csrc/disk_ops.cpp``, on a
+pool of I/O threads; a Python twin stands in without it), so nothing goes through the page
+cache. In memory: the id map (id -> entry), each entry's position, which positions are used,
+and each unit's count of rows.
+
+Placement: rows put go to whole free units (written without a read) or new units at the end
+while the file stays within ``SLACK`` times the rows it holds; past that, into the free
+positions of partly used units first (read, patched, written back). So the file never holds
+more than ``SLACK`` times its largest row count, plus a unit. Positions freed while a reader ``hold``-s the tier (a checkpoint's frozen snapshot
+reading rows at their positions) are reused only once every holder has let go.
+
+The directory is the tier's alone: a lock (``flock``) held while the tier is open refuses any
+other opener, naming the holder; what a previous run left there is discarded on open (the tier
+caches training state; checkpoints are its durable copy).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from torchrec_kvzch.table.id_map import IdMap, as_ids
+from torchrec_kvzch.table.native import native_status
+
+PAGE = 4096
+SLACK = 1.25  # file positions per live row before freed positions in used units are filled
+IO_THREADS = 32  # requests in flight: this machine's disk reads 70k rows/s at 32, 41k at 8
+
+
+class DiskTier:
+    """``row_bytes``-byte rows of table ``name`` under ``directory``. ``native``: use the native
+    op for the file's I/O (default: when it is built)."""
+
+    def __init__(self, directory: str | os.PathLike, row_bytes: int, name: str, *, io_threads: int = IO_THREADS,
+                 native: bool | None = None) -> None:
+        if not isinstance(row_bytes, int) or row_bytes < 1:
+            raise ValueError(f"disk tier of table '{name}': row_bytes must be a positive integer, got {row_bytes!r}")
+        self.fd = -1
+        self.name, self.row_bytes, self.io_threads = name, row_bytes, io_threads
+        self.native = native_status() if native is None else native
+        self.unit = PAGE * -(-row_bytes // PAGE)
+        self.per_unit = self.unit // row_bytes
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = self._take_lock()
+        for stale in self.dir.glob("rows*"):  # a previous run's: never trusted
+            stale.unlink()
+        self.path = self.dir / "rows"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        self.index = IdMap("auto")
+        # Per entry of the id map, per position, per unit: buffers with room to grow (the first
+        # len(self), units * per_unit and units elements are live).
+        self._position = torch.empty(0, dtype=torch.long)
+        self._used = torch.zeros(0, dtype=torch.bool)
+        self._unit_rows = torch.zeros(0, dtype=torch.int32)
+        self.units = 0
+        self._free_units = torch.empty(0, dtype=torch.long)  # units with no row, a stack
+        self._holders = 0
+        self._deferred: list[torch.Tensor] = []  # positions freed while held
+        self.bytes_read = self.bytes_written = 0
+
+    def _take_lock(self):
+        lock = open(self.dir / "LOCK", "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise RuntimeError(f"disk tier of table '{self.name}': {self.dir} is in use by {holder}; two jobs or "
+                               "two tables must not share a tier's files: give each its own storage path") from None
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        lock.flush()
+        return lock
+
+    # -- sizes ----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def position(self) -> torch.Tensor:
+        """Each entry's position in the file."""
+        return self._position[: len(self)]
+
+    @property
+    def used(self) -> torch.Tensor:
+        """Whether each position of the file holds a row (or one a holder may still read)."""
+        return self._used[: self.units * self.per_unit]
+
+    @property
+    def unit_rows(self) -> torch.Tensor:
+        """Each unit's used positions."""
+        return self._unit_rows[: self.units]
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.units * self.unit
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held: the id map and the per-entry, per-position and per-unit arrays."""
+        return self.index.nbytes + sum(t.numel() * t.element_size()
+                                       for t in (self._position, self._used, self._unit_rows, self._free_units))
+
+    # -- rows in and out ------------------------------------------------------------------------
+    def put(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write the rows of ``ids`` (distinct, none already here) to the file."""
+        ids = as_ids(ids, torch.device("cpu"))
+        n = ids.numel()
+        if tuple(rows.shape) != (n, self.row_bytes) or rows.dtype != torch.uint8:
+            raise ValueError(f"disk tier of table '{self.name}': {n} ids with rows of {rows.dtype} "
+                             f"{list(rows.shape)}; expected uint8 [{n}, {self.row_bytes}]")
+        if not n:
+            return
+        if torch.unique(ids).numel() != n or bool((self.index.find(ids) >= 0).any()):
+            raise ValueError(f"disk tier of table '{self.name}': ids put twice, or already on disk; a row is "
+                             "in DRAM or on disk, never both")
+        positions, taken, new_units = self._place(n)
+        units = torch.unique(positions // self.per_unit)
+        units = units[units < self.units]
+        partial = units[self.unit_rows[units] > 0]
+        self._write(positions, rows.contiguous(), partial)
+        # Written: the state follows (a failed write above changed none of it).
+        self._free_units = self._free_units[: self._free_units.numel() - taken]
+        self.units += new_units
+        self._unit_rows = _room(self._unit_rows, self.units)
+        self._used = _room(self._used, self.units * self.per_unit)
+        self.used[positions] = True
+        self.unit_rows.index_add_(0, positions // self.per_unit, torch.ones(n, dtype=torch.int32))
+        entries = self.index.find_or_insert(ids)
+        self._position = _room(self._position, len(self.index))
+        self.position[entries] = positions
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Whether each id has a row here."""
+        return self.index.find(as_ids(ids, torch.device("cpu"), check=False)) >= 0
+
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(which ids have a row here, their rows ``[found, row_bytes]``), changing nothing."""
+        entries = self.index.find(as_ids(ids, torch.device("cpu"), check=False))
+        found = entries >= 0
+        return found, self._read(self.position[entries[found]])
+
+    def take(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``read``, then the rows found leave the tier (a batch brings them into DRAM)."""
+        ids = as_ids(ids, torch.device("cpu"), check=False)
+        found, rows = self.read(ids)
+        self._forget(ids[found])
+        return found, rows
+
+    def remove(self, ids: torch.Tensor) -> int:
+        """Drop the rows of ``ids`` (eviction, deletes); absent ids are ignored. Returns how many."""
+        ids = as_ids(ids, torch.device("cpu"), check=False)
+        ids = torch.unique(ids[self.index.find(ids) >= 0])
+        self._forget(ids)
+        return ids.numel()
+
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's position in the file, -1 where it has no row here (with ``hold``, a reader
+        can read them later with ``read_at`` whatever moves meanwhile)."""
+        entries = self.index.find(as_ids(ids, torch.device("cpu"), check=False))
+        return torch.where(entries >= 0, self.position[entries.clamp(min=0)], -1)
+
+    def read_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows at ``positions`` (from ``positions``), ``[n, row_bytes]``."""
+        return self._read(positions.reshape(-1).long())
+
+    def keys(self) -> torch.Tensor:
+        """The ids with a row here (a view: copy it before changing the tier)."""
+        return self.index.keys()
+
+    # -- readers that need positions to stay --------------------------------------------------
+    def hold(self) -> None:
+        """Until the matching ``release``, no freed position is reused."""
+        self._holders += 1
+
+    def release(self) -> None:
+        self._holders -= 1
+        if not self._holders and self._deferred:
+            freed, self._deferred = torch.cat(self._deferred), []
+            self._free(freed)
+
+    def close(self) -> None:
+        """Close and delete the file (its rows are gone), and let the directory go."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self.path.unlink(missing_ok=True)
+            self._lock.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # -- internals ------------------------------------------------------------------------------
+    def _place(self, n: int) -> tuple[torch.Tensor, int, int]:
+        """Positions for ``n`` rows: (positions, free units taken from the stack's top, new units
+        at the file's end). Nothing changes until the caller commits."""
+        out = []
+        if self.units * self.per_unit + n > SLACK * (len(self) + n) and self._holes():
+            holes = torch.nonzero(~self.used & (self.unit_rows > 0).repeat_interleave(self.per_unit)).view(-1)
+            out.append(holes[:n])
+            n -= out[-1].numel()
+        taken = min(self._free_units.numel(), -(-n // self.per_unit))
+        if taken:
+            units = self._free_units[self._free_units.numel() - taken:].flip(0)
+            out.append((units[:, None] * self.per_unit + torch.arange(self.per_unit)).view(-1)[:n])
+            n -= out[-1].numel()
+        new_units = -(-n // self.per_unit)
+        if new_units:
+            out.append(torch.arange(self.units * self.per_unit, self.units * self.per_unit + n))
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.long), taken, new_units
+
+    def _holes(self) -> bool:
+        """Whether some unit with rows has a free position."""
+        return int(self.used.sum()) < int(self.unit_rows.gt(0).sum()) * self.per_unit
+
+    def _forget(self, ids: torch.Tensor) -> None:
+        """``ids`` (here) leave the index; their positions are freed (or deferred)."""
+        ids = torch.unique(ids)
+        if not ids.numel():
+            return
+        positions = self.position[self.index.find(ids)]
+        moves = self.index.erase(ids)
+        self._position[moves.dst] = self._position[moves.src]
+        if self._holders:
+            self._deferred.append(positions)
+        else:
+            self._free(positions)
+
+    def _free(self, positions: torch.Tensor) -> None:
+        self.used[positions] = False
+        units = positions // self.per_unit
+        self.unit_rows.index_add_(0, units, torch.full_like(units, -1, dtype=torch.int32))
+        units = torch.unique(units)
+        self._free_units = torch.cat([self._free_units, units[self.unit_rows[units] == 0]])
+
+    def _read(self, positions: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(positions.numel(), self.row_bytes, dtype=torch.uint8)
+        if positions.numel():
+            if self.native:
+                torch.ops.kvzch.disk_read(self.fd, positions.contiguous(), out, self.unit, self.io_threads)
+            else:
+                _read_twin(self.fd, positions, out, self.unit)
+            self.bytes_read += torch.unique(positions // self.per_unit).numel() * self.unit
+        return out
+
+    def _write(self, positions: torch.Tensor, rows: torch.Tensor, partial: torch.Tensor) -> None:
+        if self.native:
+            read, written = torch.ops.kvzch.disk_write(self.fd, positions.contiguous(), rows, partial.contiguous(),
+                                                      self.unit, self.io_threads)
+        else:
+            read, written = _write_twin(self.fd, positions, rows, partial, self.unit)
+        self.bytes_read += read
+        self.bytes_written += written
+
+
+def _room(buffer: torch.Tensor, n: int) -> torch.Tensor:
+    """``buffer`` with room for ``n`` elements (grown by doubling, new elements zero)."""
+    if buffer.numel() >= n:
+        return buffer
+    out = torch.zeros(max(n, 2 * buffer.numel(), 1024), dtype=buffer.dtype)
+    out[: buffer.numel()] = buffer
+    return out
+
+
+# -- the native op's twins: a unit at a time through an aligned buffer ---------------------------
+def _unit_groups(positions: torch.Tensor, per_unit: int):
+    """(unit, [(index into positions, position within the unit)...]) in ascending unit order."""
+    order = torch.argsort(positions)
+    units = (positions[order] // per_unit).tolist()
+    within = (positions[order] % per_unit).tolist()
+    groups: dict[int, list] = {}
+    for i, u, w in zip(order.tolist(), units, within):
+        groups.setdefault(u, []).append((i, w))
+    return groups.items()
+
+
+def _read_twin(fd: int, positions: torch.Tensor, out: torch.Tensor, unit: int) -> None:
+    row = out.shape[1]
+    buf = mmap.mmap(-1, unit)  # page-aligned, as O_DIRECT wants
+    view = torch.frombuffer(buf, dtype=torch.uint8)
+    for u, members in _unit_groups(positions, unit // row):
+        if os.preadv(fd, [buf], u * unit) != unit:
+            raise OSError(f"disk tier: short read of unit {u}")
+        for i, w in members:
+            out[i] = view[w * row:(w + 1) * row]
+
+
+def _write_twin(fd: int, positions: torch.Tensor, rows: torch.Tensor, partial: torch.Tensor,
+                unit: int) -> tuple[int, int]:
+    row = rows.shape[1]
+    buf = mmap.mmap(-1, unit)
+    view = torch.frombuffer(buf, dtype=torch.uint8)
+    keep, read, written = set(partial.tolist()), 0, 0
+    for u, members in _unit_groups(positions, unit // row):
+        if u in keep:
+            if os.preadv(fd, [buf], u * unit) != unit:
+                raise OSError(f"disk tier: short read of unit {u}")
+            read += unit
+        else:
+            view.zero_()
+        for i, w in members:
+            view[w * row:(w + 1) * row] = rows[i]
+        if os.pwritev(fd, [buf], u * unit) != unit:
+            raise OSError(f"disk tier: short write of unit {u}")
+        written += unit
+    return read, written

@@ -12,6 +12,7 @@ from torchrec_kvzch.params.admission import AdmissionPolicy
 from torchrec_kvzch.params.checks import pair, positive_int
 from torchrec_kvzch.params.eviction import EvictionPolicy
 from torchrec_kvzch.params.optimizer import OPTIMIZER_DEFAULTS, OptimizerKind
+from torchrec_kvzch.params.storage import DiskStorage
 
 _WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -61,6 +62,7 @@ class KVZCHTableParams:
     backend_return_whole_row: bool = False
     eviction: EvictionPolicy = field(default_factory=EvictionPolicy)
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    storage: DiskStorage = field(default_factory=DiskStorage)  # rows beyond a DRAM cache, on disk
     checkpoint_chunk_rows: int = 65536
     expected_rows: int = 1_000_000  # live rows over all ranks; sizes the planner's DRAM estimate
     # The optimizer fields left unset (filled with defaults): the sharders' fused params may set them.
@@ -113,6 +115,12 @@ class KVZCHTableParams:
             fail("admission", f"must be an AdmissionPolicy, got {type(self.admission).__name__}",
                  "pass AdmissionPolicy(...)")
         object.__setattr__(self, "admission", self.admission.validate(self.name))
+        if not isinstance(self.storage, DiskStorage):
+            fail("storage", f"must be a DiskStorage, got {type(self.storage).__name__}", "pass DiskStorage(...)")
+        object.__setattr__(self, "storage", self.storage.validate(self.name))
+        if self.storage.enabled and self.eviction.enabled:
+            fail("storage", "with a disk tier takes no eviction policy yet (its rows on disk would not be "
+                 "evicted)", "drop the eviction policy, or the storage path")
         if self.init_seed is None:
             object.__setattr__(self, "init_seed", zlib.crc32(self.name.encode()))
         elif not isinstance(self.init_seed, int):

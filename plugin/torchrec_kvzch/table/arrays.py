@@ -12,8 +12,23 @@ from dataclasses import dataclass
 
 import torch
 
+from torchrec_kvzch.table.eviction import SCRATCH_BYTES_PER_ROW
+from torchrec_kvzch.table.hashing import map_bytes
 from torchrec_kvzch.table.layout import RowLayout, RowPart, make_meta
 from torchrec_kvzch.table.native import empty_large, regrown, release_rows
+
+GROWTH = 1.5  # a store's arrays grow by this factor when they run out of room
+
+
+def estimated_bytes(layout: RowLayout, rows: int, reserved: bool = False) -> int:
+    """Upper bound on what a store holding ``rows`` rows occupies: row arrays and the slot
+    array at their largest growth slack, plus the hash table (what the planner counts).
+    ``reserved``: arrays reserved up front (a budget), so no growth slack; instead the peak
+    working memory counts - a second hash table while tombstones are rehashed away, and
+    eviction's per-row scratch (``eviction.py``)."""
+    if reserved:
+        return rows * (layout.stored_bytes + SCRATCH_BYTES_PER_ROW) + map_bytes(rows, rehash=True)
+    return int(rows * layout.stored_bytes * GROWTH) + map_bytes(rows, GROWTH)
 
 _COPY_CHUNK_BYTES = 4 << 20
 _USED = make_meta(0, 0, used=True)

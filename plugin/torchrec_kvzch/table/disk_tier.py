@@ -12,8 +12,9 @@ and each unit's count of rows.
 Placement: rows put go to whole free units (written without a read) or new units at the end
 while the file stays within ``SLACK`` times the rows it holds; past that, into the free
 positions of partly used units first (read, patched, written back). So the file never holds
-more than ``SLACK`` times its largest row count, plus a unit. Positions freed while a reader ``hold``-s the tier (a checkpoint's frozen snapshot
-reading rows at their positions) are reused only once every holder has let go.
+more than ``SLACK`` times its largest row count, plus a unit. Positions freed while a reader
+``hold``-s the tier (a checkpoint's frozen snapshot reading rows at their positions) are reused
+only once every holder has let go.
 
 The directory is the tier's alone: a lock (``flock``) held while the tier is open refuses any
 other opener, naming the holder; what a previous run left there is discarded on open (the tier

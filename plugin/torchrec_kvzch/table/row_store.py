@@ -12,7 +12,8 @@ fused update fbgemm's TBE writes in backward is announced with ``expect_update``
 change (``pending.py``). Checkpoints read rows through snapshots (``snapshot.py``; frozen ones
 are ``pin``-ned: every change first lets them copy rows aside, and array swaps happen under
 ``lock``, as another thread may read them); incremental ones ask ``changes`` what changed
-since a ``mark``.
+since a ``mark``. With ``params.storage``, DRAM holds a bounded cache of the rows and the rest
+are on disk (``disk_cache.py``).
 """
 
 from __future__ import annotations
@@ -23,17 +24,16 @@ import torch
 
 from torchrec_kvzch.params import BucketRange, KVZCHTableParams
 from torchrec_kvzch.table.admission import Admission
-from torchrec_kvzch.table.arrays import RowArrays
+from torchrec_kvzch.table.arrays import GROWTH as _GROWTH, RowArrays, estimated_bytes
 from torchrec_kvzch.table.changes import ChangeLog, ChangeMark
-from torchrec_kvzch.table.eviction import SCRATCH_BYTES_PER_ROW, Evictor, SharedBudget
+from torchrec_kvzch.table.disk_cache import DiskCache
+from torchrec_kvzch.table.eviction import Evictor, SharedBudget
 from torchrec_kvzch.table.history import EVICTED, INSERTED, BucketHistory
-from torchrec_kvzch.table.hashing import map_bytes
 from torchrec_kvzch.table.id_map import IdMap, IdOutOfRange, as_ids
 from torchrec_kvzch.table.initializer import fill_uniform_by_id
 from torchrec_kvzch.table.layout import RowLayout, RowPart, make_meta, meta_used
 from torchrec_kvzch.table.pending import PendingUpdate, PendingUpdates
 
-_GROWTH = 1.5
 _MIN_ROWS = 1024
 # Rows of address space mapped per array, so that growth up to it is in place (no copy, no peak
 # of two arrays); only written rows cost memory.
@@ -41,22 +41,15 @@ _RESERVED_ROWS = 1 << 24
 
 
 class RowStore:
-    def __init__(
-        self,
-        params: KVZCHTableParams,
-        bucket_range: BucketRange | None = None,
-        device: torch.device | str = "cpu",
-        backend: str = "auto",
-        initial_rows: int = 0,
-        budget: SharedBudget | None = None,
-    ) -> None:
+    def __init__(self, params: KVZCHTableParams, bucket_range: BucketRange | None = None,
+                 device: torch.device | str = "cpu", backend: str = "auto", initial_rows: int = 0,
+                 budget: SharedBudget | None = None) -> None:
         """``bucket_range``: the buckets this shard owns; ids outside it are rejected.
         ``initial_rows``: capacity to reserve up front (e.g. the planner's expected rows).
         ``budget``: the rank's memory budget this store shares with the rank's other shards."""
         self.params = params
         self.layout = RowLayout.for_table(params)
-        self.bucket_range = bucket_range or BucketRange(0, params.total_num_buckets,
-                                                        params.bucket_size)
+        self.bucket_range = bucket_range or BucketRange(0, params.total_num_buckets, params.bucket_size)
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:<current>", as tensors say
         self.id_map = IdMap(backend, self.device)
         self.native = self.id_map.backend.name == "native"  # same choice for arrays and init
@@ -71,6 +64,7 @@ class RowStore:
                           if params.admission.enabled else None)
         self._reserved = self._reserved_map = 0  # rows reserved (arrays, id map): deletes, loads keep them
         self._alloc(_MIN_ROWS)
+        self.cache = DiskCache(self, params.storage) if params.storage.enabled else None  # rows on disk
         self.evictor = Evictor(self, budget)
         initial_rows = initial_rows if self.evictor.max_rows is None else self.evictor.max_rows  # a budget
         if initial_rows:  # room for it now: never a growth copy
@@ -104,18 +98,9 @@ class RowStore:
         out = {"rows": len(self), "inserted": h.inserted, "evicted": h.evicted, "bytes": self.nbytes}
         if self.admission is not None:
             out.update(admitted=self.admission.admitted, rejected=self.admission.rejected)
-        return out
+        return out if self.cache is None else {**out, **self.cache.counters}
 
-    @staticmethod
-    def estimated_bytes(layout: RowLayout, rows: int, reserved: bool = False) -> int:
-        """Upper bound on what a store holding ``rows`` rows occupies: row arrays and the slot
-        array at their largest growth slack, plus the hash table (what the planner counts).
-        ``reserved``: arrays reserved up front (a budget), so no growth slack; instead the peak
-        working memory counts - a second hash table while tombstones are rehashed away, and
-        eviction's per-row scratch (``eviction.py``)."""
-        if reserved:
-            return rows * (layout.stored_bytes + SCRATCH_BYTES_PER_ROW) + map_bytes(rows, rehash=True)
-        return int(rows * layout.stored_bytes * _GROWTH) + map_bytes(rows, _GROWTH)
+    estimated_bytes = staticmethod(estimated_bytes)  # (arrays.py: what the planner counts)
 
     # -- training -----------------------------------------------------------------------------
     def lookup_for_update(self, ids: torch.Tensor) -> torch.Tensor:
@@ -129,9 +114,11 @@ class RowStore:
         ok = None
         if self.admission is not None:
             ids = as_ids(ids, self.device, check=False)  # range: checked by find
-            ok = self.admission.admit(ids, self.find(ids) >= 0)
+            ok = self.admission.admit(ids, (self.find(ids) >= 0) | (self.cache is not None and self.cache.known(ids)))
             ok = None if bool(ok.all()) else ok
         admitted = ids if ok is None else ids[ok]
+        if self.cache is not None:  # the batch's rows on disk come in; the coldest others go out
+            self.cache.before_lookup(admitted)
         self.evictor.before_insert(admitted)  # its evict is refused under a pending update
         if ok is None:
             return self.find_or_insert(admitted)
@@ -171,8 +158,9 @@ class RowStore:
             self.id_map.backend.touch(self.meta, slots, self.clock)
         return slots
 
-    def delete(self, ids: torch.Tensor) -> int:
-        """Remove the rows of ids (absent ids are ignored); returns how many were removed."""
+    def delete(self, ids: torch.Tensor, moved: bool = False) -> int:
+        """Remove the rows of ids (absent ids are ignored); returns how many were removed.
+        ``moved``: the rows went to the disk tier, so the table keeps them (not a change)."""
         before = len(self)
         if self._frozen:  # the deleted rows, and the tail rows compaction moves into their slots
             found = torch.unique(self.find(ids))
@@ -180,7 +168,8 @@ class RowStore:
             tail = torch.arange(before - found.numel(), before, device=self.device)
             self._before_change(torch.cat([found, tail]))
         moves = self.id_map.erase(ids)
-        self.changes.deleted(as_ids(ids, self.device, check=False))
+        if not moved:
+            self.changes.deleted(as_ids(ids, self.device, check=False))
         self.epoch += 1
         self.arrays.assign(moves.dst, self.arrays, moves.src)
         floor = max(_MIN_ROWS, self._reserved)
@@ -188,7 +177,7 @@ class RowStore:
             self._resize(max(floor, int(moves.new_size * _GROWTH)), keep=moves.new_size)
         else:  # the dead tail's memory goes back without a copy
             self.arrays.release(moves.new_size, before, self.native)
-        return before - len(self)
+        return before - len(self) + (self.cache.tier.remove(ids) if self.cache is not None and not moved else 0)
 
     def evict(self, slots: torch.Tensor) -> None:
         """Delete the rows at ``slots``, counting them as evicted (eviction's way out)."""
@@ -218,6 +207,10 @@ class RowStore:
         out = torch.zeros(ids.numel(), self.layout.width(part), dtype=self.layout.part_dtype(part),
                           device=self.device)
         out[hit] = self.read(slots[hit], part)
+        if self.cache is not None:  # rows on disk, read where they are
+            found, rows = self.cache.read(ids[~hit], part)
+            out[torch.nonzero(~hit).view(-1)[found]] = rows
+            hit[torch.nonzero(~hit).view(-1)[found]] = True
         if RowPart(part) is RowPart.ROW:  # an absent row's header: its id, used bit 0
             missing = ids[~hit]
             header = torch.stack([missing, torch.zeros_like(missing)], dim=1)
@@ -231,6 +224,9 @@ class RowStore:
         slots = self.find(ids)
         out = self.weights[slots.clamp(min=0)]
         missing = torch.nonzero(slots < 0).view(-1)
+        if missing.numel() and self.cache is not None:  # rows on disk, read where they are
+            found, weights = self.cache.read(ids[missing], RowPart.WEIGHT)
+            out[missing[found]], missing = weights.to(out.dtype), missing[~found]
         if missing.numel() and absent is not None:
             out[missing] = absent.to(out.dtype)
         elif missing.numel():
@@ -253,9 +249,10 @@ class RowStore:
             self._frozen = tuple(f for f in self._frozen if f is not frozen)
 
     # -- writes -------------------------------------------------------------------------------
-    def write(self, slots: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
-        """Overwrite ``part`` of live rows at ``slots`` (whole rows: weight, optimizer and the
-        header's meta word; the key is the slot's id and cannot change here)."""
+    def write(self, slots: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT,
+              moved: bool = False) -> None:
+        """Overwrite ``part`` of live rows at ``slots`` (whole rows: weight, optimizer and the header's
+        meta word; the key cannot change here). ``moved``: rows back from the disk tier, not a change."""
         part = RowPart(part)
         if part is RowPart.ID:
             raise ValueError(f"table '{self.params.name}': ids are keys, not values; "
@@ -263,7 +260,8 @@ class RowStore:
         slots = slots.reshape(-1).long()
         values = self.layout.checked(values, slots.numel(), part, self.params.name, self.device)
         self._before_change(slots)
-        self.changes.changed_untracked()  # no stamp: deltas cannot tell these rows
+        if not moved:
+            self.changes.changed_untracked()  # no stamp: deltas cannot tell these rows
         self.arrays.write(slots, values, part, self.layout, self.native)
 
     def write_ids(self, ids: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
@@ -282,7 +280,7 @@ class RowStore:
         self.write(self.find_or_insert(ids, touch=False), values, part)
 
     def write_rows(self, rows: torch.Tensor, layout: RowLayout | None = None,
-                   optimizer: bool = True) -> int:
+                   optimizer: bool = True, moved: bool = False) -> int:
         """Write whole rows by the id in each header, creating rows as needed; rows whose used
         bit is 0 are skipped. Returns the number of rows written. ``layout``: the rows' layout
         when it is not the store's (saved with another optimizer). With another layout, or
@@ -303,7 +301,7 @@ class RowStore:
         if keys.numel() == 0:
             return 0
         if layout is self.layout and optimizer:
-            self.write(self._slots_to_overwrite(keys), rows, RowPart.ROW)
+            self.write(self._slots_to_overwrite(keys), rows, RowPart.ROW, moved)
         else:
             slots = self.find_or_insert(keys, touch=False)
             self.write(slots, layout.unpack(rows)[2], RowPart.WEIGHT)
@@ -340,6 +338,8 @@ class RowStore:
                 frozen.let_go()  # the dropped arrays stay readable for it, no copy needed
             self._frozen = ()
             self.id_map.clear()
+            if self.cache is not None:  # the rows on disk too
+                self.cache.tier.remove(self.cache.tier.keys().clone())
             self.id_map.reserve(self._reserved_map)
             self.changes.changed_untracked()
             self.epoch += 1

@@ -37,6 +37,10 @@ class RowSnapshot:
     def __init__(self, store: RowStore, ids: torch.Tensor | None = None) -> None:
         """``ids``: the rows to address, ascending; default, every live row (which can be
         frozen). A snapshot of given ids always reads by id."""
+        if store.cache is not None:
+            raise NotImplementedError(f"KV-ZCH table '{store.params.name}': checkpoints of a table with a disk tier "
+                                      "(storage.path) are not built yet (issue 32); train it without checkpoints, "
+                                      "or keep its rows in DRAM")
         self.store = store
         if ids is None:
             # (The ids are unique, so stability costs nothing; torch's stable sort of int64 measured

@@ -30,6 +30,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, RankBudget
+from torchrec_kvzch.params import DiskStorage
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
 from torchrec_kvzch.checkpoint.save_planner import KVZCHSavePlanner
@@ -49,12 +50,14 @@ PER_WORLD = ("none", "ttl", "lfu")  # rows do not depend on the world size; budg
 
 # -- the model ---------------------------------------------------------------------------------
 def table_params(kind="none", num_embeddings=BUCKETS * BUCKET_SIZE, buckets=BUCKETS,
-                 optimizer="exact_rowwise_adagrad", whole_row=(True, False), admission=None):
+                 optimizer="exact_rowwise_adagrad", whole_row=(True, False), admission=None, storage=None):
+    """``storage``: (path, cache_bytes) of disk tiers under both KV-ZCH tables."""
     return [KVZCHTableParams(name, 8, num_embeddings=num_embeddings, total_num_buckets=buckets,
                              learning_rate=0.1, optimizer=optimizer, enable_optimizer_offloading=True,
                              backend_return_whole_row=whole, eviction=EVICTION[kind] if name == "t" else EvictionPolicy(),
                              checkpoint_chunk_rows=16, expected_rows=500,
-                             **({"admission": admission} if admission is not None else {}))
+                             **({"admission": admission} if admission is not None else {}),
+                             **({"storage": DiskStorage(*storage)} if storage is not None else {}))
             for name, whole in zip(("t", "u"), whole_row)]
 
 
@@ -130,9 +133,10 @@ def snapshot(model, dense, pg):
     rows, history = {}, {}
     for name, tbe in kvzch_tables(model):
         store = tbe.store
-        ids = torch.sort(store.keys()).values
+        on_disk = store.cache.tier.keys() if store.cache is not None else store.keys()[:0]  # (a disk tier's rows too)
+        ids = torch.sort(torch.cat([store.keys(), on_disk])).values
         rows.update(((name, i), r) for i, r in zip(ids.tolist(), store.read_ids(ids, "row").view(torch.int32).cpu()))
-        history[name] = (store.clock, store.history.inserted, store.history.evicted, len(store))
+        history[name] = (store.clock, store.history.inserted, store.history.evicted, len(ids))
     fused = model.fused_optimizer.state_dict()["state"]["ebc.embedding_bags.plain.weight"]["plain.momentum1"]
     mine = {"rows": rows, "history": history,
             "plain": _shards(model.state_dict()["ebc.embedding_bags.plain.weight"]), "plain_opt": _shards(fused)}
@@ -187,10 +191,10 @@ def reference_run(rank, world, kind, n, m, dense_lr):
     return snapshot(model, dense, pg), outs[n:]
 
 
-def save_run(rank, world, kind, n, m, root, asynchronous, dense_lr):
+def save_run(rank, world, kind, n, m, root, asynchronous, dense_lr, table_kw=None):
     """N steps, save (async: on a group of its own, training on while it is written)."""
     pg = dist.group.WORLD
-    model, dense = build(pg, kind, dense_lr)
+    model, dense = build(pg, kind, dense_lr, **(table_kw or {}))
     for step in range(n):
         train_step(model, dense, step, rank, world)
     group = dist.new_group(backend="gloo") if asynchronous else pg
@@ -201,10 +205,10 @@ def save_run(rank, world, kind, n, m, root, asynchronous, dense_lr):
     manager.close()
 
 
-def resume_run(rank, world, kind, n, m, root, dense_lr):
+def resume_run(rank, world, kind, n, m, root, dense_lr, table_kw=None):
     """A model with other rows loads step N's checkpoint, then trains M steps."""
     pg = dist.group.WORLD
-    model, dense = build(pg, kind, dense_lr)
+    model, dense = build(pg, kind, dense_lr, **(table_kw or {}))
     train_step(model, dense, 99, rank, world)  # rows and history the load must replace
     state = state_of(model, dense)
     assert CheckpointManager(root, process_group=pg).load(state) == n

@@ -40,6 +40,7 @@ class DiskCache:
         self.tier = DiskTier(Path(storage.path) / params.name / f"buckets-{r.start}-{r.end}",
                              layout.row_width * layout.itemsize, params.name)
         self.moved_out = self.moved_in = 0
+        self.writing = False  # inside ``write``: the store writes to DRAM
 
     def __len__(self) -> int:
         """Rows on disk."""
@@ -77,6 +78,21 @@ class DiskCache:
             store.write_rows(rows.view(self.layout.dtype).view(incoming.numel(), -1), moved=True)
             self.moved_in += incoming.numel()
 
+    def write(self, ids: torch.Tensor, values: torch.Tensor, write_piece) -> int:
+        """A write from outside training (a load, a user's write) of the rows of ``ids``:
+        ``write_piece(ids, values)`` writes DRAM rows, a piece of at most half the cache at a
+        time, after the piece's rows on disk came in (so that each id is in one tier, and a
+        part written keeps the others). Returns the rows written."""
+        piece, written = max(1, self.max_rows // 2), 0
+        self.writing = True
+        try:
+            for at in range(0, ids.numel(), piece):
+                self.before_lookup(ids[at:at + piece])
+                written += write_piece(ids[at:at + piece], values[at:at + piece]) or 0
+        finally:
+            self.writing = False
+        return written
+
     def _move_out(self, n: int, keep: torch.Tensor) -> None:
         """The ``n`` least recently used rows not in ``keep`` go to disk."""
         store = self.store
@@ -86,19 +102,51 @@ class DiskCache:
         slots = torch.topk(stamps, n, largest=False, sorted=False).indices
         keys = store.keys()[slots].clone()
         rows = store.read(slots, RowPart.ROW).contiguous()
-        self.tier.put(keys, rows.view(torch.uint8).view(n, -1))
+        self.tier.put(keys, rows.view(torch.uint8).view(n, -1), self.layout.header(rows)[1])
         store.delete(keys, moved=True)
         self.moved_out += n
 
     def read(self, ids: torch.Tensor, part: RowPart) -> tuple[torch.Tensor, torch.Tensor]:
         """(which ``ids`` have a row on disk, their ``part``), moving nothing."""
         found, rows = self.tier.read(ids)
-        rows = rows.view(self.layout.dtype).view(int(found.sum()), -1)
+        return found, self._part(rows, part)
+
+    def read_at(self, positions: torch.Tensor, part: RowPart) -> torch.Tensor:
+        """``part`` of the rows at tier ``positions`` (a snapshot's, while it holds the tier)."""
+        return self._part(self.tier.read_at(positions), part)
+
+    def read_mixed(self, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, part: RowPart,
+                   out: torch.Tensor | None = None, arrays=None) -> torch.Tensor:
+        """``part`` of rows in either tier: at DRAM ``slots`` (of ``arrays``, default the store's)
+        where ``positions`` is -1, else at those tier positions; ``keys``: their ids."""
+        disk = positions >= 0
+        rows = self.store.read(slots.masked_fill(disk, 0), part, keys=keys, arrays=arrays, out=out)
+        if bool(disk.any()):
+            at = torch.nonzero(disk).view(-1)
+            rows[at] = self.read_at(positions[at], part).to(rows.dtype)
+        return rows
+
+    def snapshot(self, dram_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every live row of both tiers in ascending id order: (ids, DRAM slots or -1, tier
+        positions or -1); ``dram_keys``: the store's keys by slot."""
+        n, tier = dram_keys.numel(), self.tier
+        ids, order = torch.sort(torch.cat([dram_keys, tier.keys()]), stable=True)
+        on_disk = order >= n
+        positions = torch.where(on_disk, tier.position[(order - n).clamp(min=0, max=max(len(tier) - 1, 0))]
+                                if len(tier) else order, -1)
+        return ids, order.masked_fill(on_disk, -1), positions
+
+    def stamps(self, ids: torch.Tensor) -> torch.Tensor:
+        """The header words of ``ids`` (rows on disk), as the tier keeps them."""
+        return self.tier.meta[self.tier.index.find(ids)]
+
+    def _part(self, rows: torch.Tensor, part: RowPart) -> torch.Tensor:
+        rows = rows.view(self.layout.dtype).view(rows.shape[0], -1)
         if RowPart(part) is RowPart.ROW:
-            return found, rows
+            return rows
         keys, meta, weights, optimizer = self.layout.unpack(rows)
-        return found, {RowPart.WEIGHT: weights, RowPart.OPTIMIZER: optimizer, RowPart.META: meta.unsqueeze(1),
-                       RowPart.ID: keys.unsqueeze(1)}[RowPart(part)]
+        return {RowPart.WEIGHT: weights, RowPart.OPTIMIZER: optimizer, RowPart.META: meta.unsqueeze(1),
+                RowPart.ID: keys.unsqueeze(1)}[RowPart(part)]
 
     def close(self) -> None:
         self.tier.close()

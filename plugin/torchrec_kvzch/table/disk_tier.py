@@ -6,8 +6,9 @@ A row is in DRAM or here, never both: the row store moves rows here when they le
 size at positions, grouped in units (4 KiB, or the multiple of it one row needs), and is read
 and written a unit at a time with ``O_DIRECT`` by the native op (``csrc/disk_ops.cpp``, on a
 pool of I/O threads; a Python twin stands in without it), so nothing goes through the page
-cache. In memory: the id map (id -> entry), each entry's position, which positions are used,
-and each unit's count of rows.
+cache. In memory: the id map (id -> entry), each entry's position and header word (``meta``: a
+checkpoint tells changed rows by it without reading the disk), which positions are used, and
+each unit's count of rows. ``generation`` counts the changes, for readers that cache positions.
 
 Placement: rows put go to whole free units (written without a read) or new units at the end
 while the file stays within ``SLACK`` times the rows it holds; past that, into the free
@@ -63,9 +64,10 @@ class DiskTier:
         # Per entry of the id map, per position, per unit: buffers with room to grow (the first
         # len(self), units * per_unit and units elements are live).
         self._position = torch.empty(0, dtype=torch.long)
+        self._meta = torch.empty(0, dtype=torch.long)
         self._used = torch.zeros(0, dtype=torch.bool)
         self._unit_rows = torch.zeros(0, dtype=torch.int32)
-        self.units = 0
+        self.units = self.generation = 0
         self._free_units = torch.empty(0, dtype=torch.long)  # units with no row, a stack
         self._holders = 0
         self._deferred: list[torch.Tensor] = []  # positions freed while held
@@ -96,6 +98,11 @@ class DiskTier:
         return self._position[: len(self)]
 
     @property
+    def meta(self) -> torch.Tensor:
+        """Each entry's header word, as ``put`` gave it."""
+        return self._meta[: len(self)]
+
+    @property
     def used(self) -> torch.Tensor:
         """Whether each position of the file holds a row (or one a holder may still read)."""
         return self._used[: self.units * self.per_unit]
@@ -113,11 +120,13 @@ class DiskTier:
     def nbytes(self) -> int:
         """Memory held: the id map and the per-entry, per-position and per-unit arrays."""
         return self.index.nbytes + sum(t.numel() * t.element_size()
-                                       for t in (self._position, self._used, self._unit_rows, self._free_units))
+                                       for t in (self._position, self._meta, self._used, self._unit_rows,
+                                                 self._free_units))
 
     # -- rows in and out ------------------------------------------------------------------------
-    def put(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write the rows of ``ids`` (distinct, none already here) to the file."""
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, meta: torch.Tensor | None = None) -> None:
+        """Write the rows of ``ids`` (distinct, none already here) to the file; ``meta``: their
+        header words (kept in memory), zeros if not given."""
         ids = as_ids(ids, torch.device("cpu"))
         n = ids.numel()
         if tuple(rows.shape) != (n, self.row_bytes) or rows.dtype != torch.uint8:
@@ -141,8 +150,10 @@ class DiskTier:
         self.used[positions] = True
         self.unit_rows.index_add_(0, positions // self.per_unit, torch.ones(n, dtype=torch.int32))
         entries = self.index.find_or_insert(ids)
-        self._position = _room(self._position, len(self.index))
+        self._position, self._meta = _room(self._position, len(self)), _room(self._meta, len(self))
         self.position[entries] = positions
+        self.meta[entries] = 0 if meta is None else meta.reshape(-1).long()
+        self.generation += 1
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """Whether each id has a row here."""
@@ -238,6 +249,8 @@ class DiskTier:
         positions = self.position[self.index.find(ids)]
         moves = self.index.erase(ids)
         self._position[moves.dst] = self._position[moves.src]
+        self._meta[moves.dst] = self._meta[moves.src]
+        self.generation += 1
         if self._holders:
             self._deferred.append(positions)
         else:

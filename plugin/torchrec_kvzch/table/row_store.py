@@ -6,14 +6,13 @@ the virtual table size. Reads and writes address a ``RowPart`` (``layout.py``); 
 take each row's id from its header and skip rows whose used bit is 0.
 
 Training goes through ``lookup_for_update``: it advances the store's clock, admits new ids
-(``admission.py``), runs eviction (``eviction.py``), and finds or creates the batch's rows. The
-fused update fbgemm's TBE writes in backward is announced with ``expect_update`` and
-``update_started``: in between, no row may move, and a frozen snapshot copies the rows it will
-change (``pending.py``). Checkpoints read rows through snapshots (``snapshot.py``; frozen ones
-are ``pin``-ned: every change first lets them copy rows aside, and array swaps happen under
-``lock``, as another thread may read them); incremental ones ask ``changes`` what changed
-since a ``mark``. With ``params.storage``, DRAM holds a bounded cache of the rows and the rest
-are on disk (``disk_cache.py``).
+(``admission.py``), runs eviction (``eviction.py``), and finds or creates the batch's rows. The fused
+update fbgemm's TBE writes in backward is announced with ``expect_update`` and ``update_started``: in
+between, no row may move, and a frozen snapshot copies the rows it will change (``pending.py``).
+Checkpoints read rows through snapshots (``snapshot.py``; frozen ones are ``pin``-ned: every change
+first lets them copy rows aside, and array swaps happen under ``lock``, as another thread may read
+them); incremental ones ask ``changes`` what changed since a ``mark``. With ``params.storage``, DRAM
+holds a bounded cache of the rows and the rest are on disk (``disk_cache.py``).
 """
 
 from __future__ import annotations
@@ -92,8 +91,8 @@ class RowStore:
 
     @property
     def counters(self) -> dict[str, int]:
-        """What the progress bar and benchmarks show: live rows, rows ever inserted and
-        evicted, bytes held; with admission, new ids admitted and rejected."""
+        """What the progress bar and benchmarks show: live rows, rows ever inserted and evicted, bytes
+        held; with admission, new ids admitted and rejected; with a disk tier, its rows and I/O."""
         h = self.history
         out = {"rows": len(self), "inserted": h.inserted, "evicted": h.evicted, "bytes": self.nbytes}
         if self.admission is not None:
@@ -143,10 +142,9 @@ class RowStore:
         return self._mapped(self.id_map.find, ids)
 
     def find_or_insert(self, ids: torch.Tensor, touch: bool = True) -> torch.Tensor:
-        """Slots of ids; absent ids get new rows (id-seeded weights, zero optimizer state,
-        header written). With ``touch`` (a lookup) the rows' timestamps become ``clock``, their
-        counts grow by the number of occurrences, and new rows count as inserted; without it
-        (writes, loads) rows change nothing else."""
+        """Slots of ids; absent ids get new rows (id-seeded weights, zero optimizer state, header written).
+        With ``touch`` (a lookup) the rows' timestamps become ``clock``, their counts grow by the number
+        of occurrences, and new rows count as inserted; without it (writes, loads) nothing else changes."""
         old = len(self)
         slots = self._mapped(self.id_map.find_or_insert, ids)
         if len(self) > old:
@@ -159,8 +157,8 @@ class RowStore:
         return slots
 
     def delete(self, ids: torch.Tensor, moved: bool = False) -> int:
-        """Remove the rows of ids (absent ids are ignored); returns how many were removed.
-        ``moved``: the rows went to the disk tier, so the table keeps them (not a change)."""
+        """Remove the rows of ids (absent ids are ignored); returns how many were removed. ``moved``:
+        the rows went to the disk tier (the table keeps them: no change)."""
         before = len(self)
         if self._frozen:  # the deleted rows, and the tail rows compaction moves into their slots
             found = torch.unique(self.find(ids))
@@ -188,9 +186,8 @@ class RowStore:
         self.history.count(EVICTED, ids)
 
     # -- reads --------------------------------------------------------------------------------
-    def read(self, slots: torch.Tensor, part: RowPart = RowPart.WEIGHT, *,
-             keys: torch.Tensor | None = None, arrays: RowArrays | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(self, slots: torch.Tensor, part: RowPart = RowPart.WEIGHT, *, keys: torch.Tensor | None = None,
+             arrays: RowArrays | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows at live slots, as ``part``; from ``arrays`` (then with the rows' ``keys``)
         instead of the live ones; into ``out`` (a save reuses one buffer: fewer page faults)."""
         slots = slots.reshape(-1).long()
@@ -204,8 +201,7 @@ class RowStore:
         hit = slots >= 0
         if bool(hit.all()):  # the common case (checkpoint chunks): one gather, no mask
             return self.read(slots, part)
-        out = torch.zeros(ids.numel(), self.layout.width(part), dtype=self.layout.part_dtype(part),
-                          device=self.device)
+        out = torch.zeros(ids.numel(), self.layout.width(part), dtype=self.layout.part_dtype(part), device=self.device)
         out[hit] = self.read(slots[hit], part)
         if self.cache is not None:  # rows on disk, read where they are
             found, rows = self.cache.read(ids[~hit], part)
@@ -268,6 +264,8 @@ class RowStore:
         """Write ``part`` of the rows of ids, creating absent rows first. For whole rows the ids
         must equal the header keys (use ``write_rows`` to take ids from the headers)."""
         ids = as_ids(ids, self.device, check=False)  # range: checked by the lookup
+        if self.cache is not None and not self.cache.writing:  # rows on disk come in first, in pieces
+            return self.cache.write(ids, values, lambda i, v: self.write_ids(i, v, part))
         values = self.layout.checked(values, ids.numel(), RowPart(part), self.params.name, self.device)
         if RowPart(part) is RowPart.ROW:
             keys = self.layout.unpack(values)[0]
@@ -281,11 +279,13 @@ class RowStore:
 
     def write_rows(self, rows: torch.Tensor, layout: RowLayout | None = None,
                    optimizer: bool = True, moved: bool = False) -> int:
-        """Write whole rows by the id in each header, creating rows as needed; rows whose used
-        bit is 0 are skipped. Returns the number of rows written. ``layout``: the rows' layout
-        when it is not the store's (saved with another optimizer). With another layout, or
-        without ``optimizer``, only weights and headers are written: new rows' optimizer state
-        starts fresh."""
+        """Write whole rows by the id in each header, creating rows as needed; rows whose used bit is 0
+        are skipped. Returns the number of rows written. ``layout``: the rows' layout when it is not the
+        store's (saved with another optimizer). With another layout, or without ``optimizer``, only
+        weights and headers are written: new rows' optimizer state starts fresh."""
+        if self.cache is not None and not (moved or self.cache.writing):  # as in write_ids
+            return self.cache.write((layout or self.layout).header(rows)[0], rows,
+                                    lambda _, r: self.write_rows(r, layout, optimizer))
         if layout is None or layout == self.layout:
             n = rows.shape[0] if rows.dim() else -1
             rows = self.layout.checked(rows, n, RowPart.ROW, self.params.name, self.device)

@@ -16,6 +16,11 @@ and another thread may read it while the owning thread trains. Every change to a
 goes through the store, which calls ``_Frozen.preserve`` first (fbgemm's fused update writes the
 rows of the forward's slots, which the store preserves when the forward looks them up, and
 those of an update announced before the freeze, ``RowStore.expect_update``).
+
+A store over a disk tier (``disk_cache.py``) is snapshotted whole: the rows on disk sit among
+the others in id order, read at their tier positions. Rows on disk never change in place (a row
+comes into DRAM to change), so a frozen snapshot only needs the tier to keep its positions
+(``DiskTier.hold``) until it is released; a plain one reads by id once rows moved between tiers.
 """
 
 from __future__ import annotations
@@ -37,18 +42,17 @@ class RowSnapshot:
     def __init__(self, store: RowStore, ids: torch.Tensor | None = None) -> None:
         """``ids``: the rows to address, ascending; default, every live row (which can be
         frozen). A snapshot of given ids always reads by id."""
-        if store.cache is not None:
-            raise NotImplementedError(f"KV-ZCH table '{store.params.name}': checkpoints of a table with a disk tier "
-                                      "(storage.path) are not built yet (issue 32); train it without checkpoints, "
-                                      "or keep its rows in DRAM")
         self.store = store
-        if ids is None:
+        self.positions: torch.Tensor | None = None  # over a disk tier: each row's tier position, or -1
+        if ids is None and store.cache is not None:
+            self.ids, self.slots, self.positions = store.cache.snapshot(store.keys())
+        elif ids is None:
             # (The ids are unique, so stability costs nothing; torch's stable sort of int64 measured
             # 15-20% faster than its default one.)
             self.ids, self.slots = torch.sort(store.keys(), stable=True)
         else:
             self.ids, self.slots = as_ids(ids, store.device), None
-        self.epoch = store.epoch
+        self.epoch, self.generation = store.epoch, _generation(store)
         self.mark = store.mark()
         self._frozen: _Frozen | None = None
         self._unpin: weakref.finalize | None = None
@@ -75,9 +79,16 @@ class RowSnapshot:
                              "or a delete before deletes were logged)")
         n = len(self.store)
         changed = meta_timestamp_view(self.store.meta[:n]) >= base.since
-        keep = torch.nonzero(changed[self.slots]).view(-1)
+        if self.positions is None:
+            keep = torch.nonzero(changed[self.slots]).view(-1)
+        else:  # rows on disk: by the header words the tier keeps
+            disk = self.positions >= 0
+            hit = changed[self.slots.clamp(min=0)] & ~disk
+            hit[disk] = meta_timestamp_view(self.store.cache.stamps(self.ids[disk])) >= base.since
+            keep = torch.nonzero(hit).view(-1)
         sub = copy.copy(self)  # same store, moment and mark; never frozen
         sub.ids, sub.slots, sub._frozen, sub._unpin = self.ids[keep], self.slots[keep], None, None
+        sub.positions = None if self.positions is None else self.positions[keep]
         return sub
 
     def decays_since(self, base: ChangeMark) -> list[float]:
@@ -92,8 +103,12 @@ class RowSnapshot:
             ids = ids[self.ids[pos] != ids]
         return ids
 
+    def _current(self) -> bool:
+        """Whether every row is still where the snapshot found it."""
+        return self.slots is not None and (self.epoch, self.generation) == (self.store.epoch, _generation(self.store))
+
     def _check_current(self, what: str) -> None:
-        if self.slots is None or self.epoch != self.store.epoch:
+        if not self._current():
             raise ValueError(f"table '{self.store.params.name}': rows were deleted or reloaded "
                              f"since this state dict was taken, so it cannot be {what}; take the "
                              "state dict again right before saving")
@@ -112,7 +127,10 @@ class RowSnapshot:
         frozen = self._frozen
         if frozen is not None:
             return frozen.read(start, end, part, out)
-        if self.slots is not None and self.epoch == self.store.epoch:
+        if self._current() and self.positions is not None:
+            return self.store.cache.read_mixed(self.slots[start:end], self.positions[start:end], self.ids[start:end],
+                                               part, out)
+        if self._current():
             return self.store.read(self.slots[start:end], part, out=out)
         rows = self.store.read_ids(self.ids[start:end], part)  # rows moved: found by id
         return rows if out is None else out.copy_(rows)
@@ -124,10 +142,12 @@ class RowSnapshot:
             raise ValueError(f"table '{name}': this state dict is already being saved "
                              "asynchronously; take a new state dict for each save")
         self._check_current("saved asynchronously")
-        self._frozen = _Frozen(self.store, self.ids, self.slots)
+        self._frozen = _Frozen(self.store, self.ids, self.slots, self.positions)
         self.store.pin(self._frozen)
+        if self.positions is not None:
+            self.store.cache.tier.hold()
         # A snapshot dropped without release() must not keep the store copying rows.
-        self._unpin = weakref.finalize(self, self.store.unpin, self._frozen)
+        self._unpin = weakref.finalize(self, _let_go, self.store, self._frozen)
 
     def release(self) -> None:
         """Stop copying and free the copies; reads go to the live rows again. Idempotent."""
@@ -141,6 +161,16 @@ class RowSnapshot:
         return self._frozen.nbytes if self._frozen is not None else 0
 
 
+def _generation(store) -> int:
+    return store.cache.tier.generation if store.cache is not None else 0
+
+
+def _let_go(store, frozen: "_Frozen") -> None:
+    store.unpin(frozen)
+    if frozen.positions is not None:
+        store.cache.tier.release()
+
+
 class _Frozen:
     """Copy-on-write state of a frozen snapshot.
 
@@ -148,8 +178,9 @@ class _Frozen:
     the snapshot's slot ``p``), else the index of its copy. Positions are found from the keys of
     the slots about to change (ids are sorted), so nothing per slot is kept."""
 
-    def __init__(self, store: RowStore, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        self.store, self.ids, self.slots = store, ids, slots
+    def __init__(self, store: RowStore, ids: torch.Tensor, slots: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> None:
+        self.store, self.ids, self.slots, self.positions = store, ids, slots, positions
         self.saved_at = torch.full((ids.numel(),), -1, dtype=torch.int32, device=ids.device)
         self.count = 0
         self.copies = store.arrays.empty_like(0)
@@ -179,6 +210,8 @@ class _Frozen:
         keys = self.store.keys()[slots]
         pos = torch.searchsorted(self.ids, keys).clamp_(max=self.ids.numel() - 1)
         new = (self.ids[pos] == keys) & (self.saved_at[pos] < 0)
+        if self.positions is not None:  # rows on disk at the freeze are read there, never copied
+            new &= self.positions[pos] < 0
         if not bool(new.any()):
             return
         slots, pos = slots[new], pos[new]
@@ -207,7 +240,11 @@ class _Frozen:
             slots = self.slots[start:end].masked_fill(copied, 0)  # copied slots may be gone
         # Gather outside the lock, so training is not held up by a chunk read. Rows not yet
         # copied are unchanged; any row changed meanwhile was copied first and is fixed below.
-        rows = store.read(slots, part, keys=self.ids[start:end], arrays=arrays, out=out)
+        if self.positions is not None:  # rows on disk at the freeze: at their held positions
+            rows = store.cache.read_mixed(slots.clamp(min=0), self.positions[start:end].masked_fill(copied, -1),
+                                          self.ids[start:end], part, out, arrays)
+        else:
+            rows = store.read(slots, part, keys=self.ids[start:end], arrays=arrays, out=out)
         with store.lock:
             saved = self.saved_at[start:end]
             hit = saved >= 0

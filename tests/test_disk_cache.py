@@ -169,3 +169,29 @@ def test_tables_over_disk_tiers_save_async_and_resume_at_other_world_sizes_exact
         assert r.same(expected[0][0], got[0][0], across_worlds=True) == []
         rows = {h[3] for h in got[0][0]["history"][0].values()}
         assert min(rows) > 24  # more rows than the caches hold
+
+
+def test_the_job_over_disk_tiers_computes_what_it_computes_in_dram_and_reports_the_tier(tmp_path):
+    """The shipped ``disk`` config is the quickstart with its KV-ZCH tables over disk tiers
+    (here with caches of a fraction of the rows the run creates, under the run directory): 2
+    ranks train and save with the quickstart's losses and predictions, bit for bit, and resume
+    on 1 rank; the metrics report the caches' hit rates and the disks' bytes."""
+    import json
+
+    from test_train import train
+    from torchrec_kvzch.job import config_path
+
+    config = tmp_path / "disk.yaml"  # the shipped one, with caches of 234 rows (2^15 bytes) a table
+    config.write_text(config_path("disk").read_text().replace("cache_bytes: 2^21", "cache_bytes: 2^15")
+                      .replace("cache_bytes: 2^22", "cache_bytes: 2^15"))
+    small = ["--global-batch-size", "64", "--population", "20000", "--checkpoint-every", "4", "--log-every", "2"]
+    _, dram = train(tmp_path / "dram", "--steps", 8, *small, "--config", "quickstart")
+    _, disk = train(tmp_path / "disk", "--steps", 8, *small, "--config", config)
+    assert disk["loss_curve"] == dram["loss_curve"] and disk["probe_final"] == dram["probe_final"]
+    assert (tmp_path / "disk" / "tier" / "user").is_dir()
+    lines = [json.loads(line) for line in (tmp_path / "disk" / "metrics.jsonl").read_text().splitlines()]
+    last = [m for m in lines if m["kind"] == "train"][-1]
+    assert sum(last["disk_rows"].values()) > 0 and sum(last["disk_bytes_written"].values()) > 0
+    assert all(0 < rate < 1 for rate in last["cache_hit_rate"].values())
+    _, resumed = train(tmp_path / "disk", "--steps", 12, *small, "--config", config, nproc=1, summary="resumed.json")
+    assert resumed["resumed_from"] == 8 and resumed["probe_after_resume"] == disk["probe_final"]

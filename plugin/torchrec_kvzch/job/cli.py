@@ -111,13 +111,19 @@ def parse_admission(text: str) -> AdmissionPolicy:
 
 
 def job_config(args: argparse.Namespace) -> ShardingConfig:
-    """The sharding config, with ``--admission`` (if given) for every KV-ZCH table."""
+    """The sharding config, with ``--admission`` (if given) for every KV-ZCH table, and each
+    relative disk-tier path (``storage.path``) under the run directory: the run's own."""
     config = load_config(args.config)
-    if args.admission is None:
-        return config
-    policy = parse_admission(args.admission)
-    tables = tuple(dataclasses.replace(t, kvzch=dataclasses.replace(t.kvzch, admission=policy)) if t.kvzch else t
-                   for t in config.tables)
+    policy = None if args.admission is None else parse_admission(args.admission)
+
+    def adjusted(kv):
+        if policy is not None:
+            kv = dataclasses.replace(kv, admission=policy)
+        if kv.storage.enabled and not Path(kv.storage.path).is_absolute():
+            kv = dataclasses.replace(kv, storage=dataclasses.replace(kv.storage, path=str(args.run_dir / kv.storage.path)))
+        return kv
+
+    tables = tuple(dataclasses.replace(t, kvzch=adjusted(t.kvzch)) if t.kvzch else t for t in config.tables)
     return dataclasses.replace(config, tables=tables)
 
 

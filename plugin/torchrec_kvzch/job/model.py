@@ -97,15 +97,17 @@ def live_rows(model) -> dict[str, int]:
     return {name: len(tbe.store) for name, tbe in kvzch_tables(model)}
 
 
-COUNTERS = ("rows", "inserted", "evicted", "bytes", "admitted", "rejected")
+COUNTERS = ("rows", "inserted", "evicted", "bytes", "admitted", "rejected", "disk_rows", "disk_bytes_read",
+            "disk_bytes_written", "cache_hits", "cache_misses")
+OPTIONAL = set(COUNTERS[4:])  # admission's and a disk tier's: kept where some table has them
 
 
 def store_counters(model) -> dict[str, list[int]]:
     """Per counter (``RowStore.counters``), its value for each local KV-ZCH table shard, in
-    table order; a table without admission counts 0 admitted and 0 rejected. The admission
-    counters are left out only when no table has admission."""
+    table order; a table without admission (a disk tier) counts 0 for its counters, which are
+    left out only when no table has admission (a disk tier)."""
     counters = [tbe.store.counters for _, tbe in kvzch_tables(model)]
-    keys = [k for k in COUNTERS if k not in ("admitted", "rejected") or any(k in c for c in counters)]
+    keys = [k for k in COUNTERS if k not in OPTIONAL or any(k in c for c in counters)]
     return {key: [c.get(key, 0) for c in counters] for key in keys}
 
 

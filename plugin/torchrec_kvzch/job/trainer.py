@@ -197,6 +197,12 @@ class Trainer:
                             evict=f"{total['evicted']:,}", MiB=f"{total['bytes'] / 2**20:,.0f}")
         if "admitted" in total:
             self.postfix.update(adm=f"{total['admitted']:,}", rej=f"{total['rejected']:,}")
+        if "cache_hits" in total:  # a disk tier: the share of existing rows found in DRAM, disk I/O
+            hits, misses = self.counters["cache_hits"], self.counters["cache_misses"]
+            record["cache_hit_rate"] = {t: hits[t] / max(1, hits[t] + misses[t]) for t in tables}
+            self.postfix.update(hit=f"{total['cache_hits'] / max(1, total['cache_hits'] + total['cache_misses']):.3f}",
+                                disk_rd_MiB=f"{total['disk_bytes_read'] / 2**20:,.0f}",
+                                disk_wr_MiB=f"{total['disk_bytes_written'] / 2**20:,.0f}")
         self.bar.set_postfix(self.postfix, refresh=False)
         self.write_metrics(record)
         self.window = [0.0, 0, time.perf_counter()]

@@ -40,6 +40,7 @@ class DiskCache:
         self.tier = DiskTier(Path(storage.path) / params.name / f"buckets-{r.start}-{r.end}",
                              layout.row_width * layout.itemsize, params.name)
         self.moved_out = self.moved_in = 0
+        self.hits = self.misses = 0  # a training batch's existing rows found in DRAM, or brought from disk
         self.writing = False  # inside ``write``: the store writes to DRAM
 
     def __len__(self) -> int:
@@ -49,7 +50,7 @@ class DiskCache:
     @property
     def counters(self) -> dict[str, int]:
         return {"disk_rows": len(self.tier), "disk_bytes_read": self.tier.bytes_read,
-                "disk_bytes_written": self.tier.bytes_written}
+                "disk_bytes_written": self.tier.bytes_written, "cache_hits": self.hits, "cache_misses": self.misses}
 
     def known(self, ids: torch.Tensor) -> torch.Tensor:
         """Whether each id has a row on disk."""
@@ -66,6 +67,9 @@ class DiskCache:
                              f"its DRAM cache of {self.max_rows} rows; raise storage.cache_bytes")
         absent = ids[store.find(ids) < 0]
         incoming = absent[self.tier.find(absent)]
+        if not self.writing:
+            self.hits += ids.numel() - absent.numel()
+            self.misses += incoming.numel()
         excess = len(store) + absent.numel() - self.max_rows
         if (excess > 0 or incoming.numel()) and store.pending_update is not None:
             raise RuntimeError(f"KV-ZCH table '{store.params.name}': rows would move between DRAM and disk while "
@@ -75,7 +79,7 @@ class DiskCache:
             self._move_out(excess, ids)
         if incoming.numel():
             _, rows = self.tier.take(incoming)
-            store.write_rows(rows.view(self.layout.dtype).view(incoming.numel(), -1), moved=True)
+            store.write_rows(self._part(rows, RowPart.ROW), moved=True)
             self.moved_in += incoming.numel()
 
     def write(self, ids: torch.Tensor, values: torch.Tensor, write_piece) -> int:
@@ -141,7 +145,7 @@ class DiskCache:
         return self.tier.meta[self.tier.index.find(ids)]
 
     def _part(self, rows: torch.Tensor, part: RowPart) -> torch.Tensor:
-        rows = rows.view(self.layout.dtype).view(rows.shape[0], -1)
+        rows = rows.view(self.layout.dtype).view(rows.shape[0], self.layout.row_width)
         if RowPart(part) is RowPart.ROW:
             return rows
         keys, meta, weights, optimizer = self.layout.unpack(rows)

@@ -44,6 +44,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec_kvzch.params import (
     OPTIMIZER_DEFAULTS,
     AdmissionPolicy,
+    DiskStorage,
     EvictionPolicy,
     KVZCHTableParams,
     OptimizerKind,
@@ -271,7 +272,7 @@ class _Parser:
         kv["optimizer"] = self.optimizer_kind(kv.get("optimizer", kind), f"{where}.optimizer")
         kv.setdefault("learning_rate", lr)
         kv.setdefault("eps", eps)
-        for key, cls in (("eviction", EvictionPolicy), ("admission", AdmissionPolicy)):
+        for key, cls in (("eviction", EvictionPolicy), ("admission", AdmissionPolicy), ("storage", DiskStorage)):
             if key in kv:
                 block = self.mapping(kv[key], f"{where}.{key}", {f.name for f in fields(cls)})
                 kv[key] = cls(**self.typed(cls, block, f"{where}.{key}"))

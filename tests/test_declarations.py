@@ -25,6 +25,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.params import EvictionPolicy
 from torchrec_kvzch.torchrec import KVZCH_KERNEL, KVZCHParameterSharding, kvzch_sharders, table_params
+from torchrec_kvzch.torchrec.declarations import VIRTUAL_KERNELS
 from torchrec_kvzch.torchrec.planner import KVZCHConstraints, KVZCHShardingPlanner
 
 ROWS, BUCKETS = 2**20, 8
@@ -113,6 +114,24 @@ def test_ssd_kernels_are_served_from_dram_with_a_notice(caplog):
     assert "'ssd_virtual_table' is served by the DRAM row store" in caplog.text
     assert "KeyValueParams.ssd_storage_directory configures SSD placement" in caplog.text
     assert params.enable_optimizer_offloading and not params.backend_return_whole_row  # as upstream's SSD
+
+
+def test_ssd_kernels_with_a_directory_and_a_dram_cache_keep_their_rows_on_disk(caplog, monkeypatch):
+    """TorchRec's SSD kernels with ``KeyValueParams.ssd_storage_directory`` ("@local_rank" as
+    TorchRec expands it) and ``l2_cache_size`` (GB of DRAM rows) get a disk tier (docs/disk.md),
+    with no notice; the DRAM kernel ignores both, as before."""
+    from torchrec_kvzch.params import DiskStorage
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    kernels = ["ssd_virtual_table"] + (["dram_ssd_virtual_table"] if "dram_ssd_virtual_table" in VIRTUAL_KERNELS else [])
+    for kernel in kernels:
+        with caplog.at_level(logging.WARNING):
+            params = table_params(config(name=f"disk_{kernel}"), kernel,
+                                  KeyValueParams(ssd_storage_directory="/data/nvme@local_rank", l2_cache_size=2))
+        assert params.storage == DiskStorage("/data/nvme3", shard_cache_bytes=2 << 30)
+        assert f"disk_{kernel}" not in caplog.text
+    params = table_params(config(name="dram_t"), "dram_virtual_table",
+                          KeyValueParams(ssd_storage_directory="/data/nvme", l2_cache_size=2))
+    assert not params.storage.enabled
 
 
 def test_fused_params_fill_what_a_table_leaves_unset():

@@ -95,6 +95,31 @@ def test_storage_counts_the_dram_of_expected_rows():
         assert raw <= want <= 2.5 * raw
 
 
+def test_storage_counts_a_disk_tiers_cache_and_index_in_dram_and_its_rows_on_disk(tmp_path):
+    """A table over a disk tier: its shards' cache (with the tier's index) is host memory, the
+    rows past the cache are disk (where TorchRec's Storage has a field for it)."""
+    from dataclasses import fields
+
+    from torchrec.distributed.planner.types import Storage
+    from torchrec_kvzch.params import DiskStorage
+    from torchrec_kvzch.table.disk_tier import estimated_tier_bytes
+
+    layout_user = RowLayout.for_table(tables()[0])
+    storage = DiskStorage(tmp_path, shard_cache_bytes=layout_user.stored_bytes * 5_000)
+    kv = tables(expected_rows=120_000, storage=storage)
+    planner = KVZCHShardingPlanner(Topology(world_size=3, compute_device="cpu", local_world_size=3),
+                                   batch_size=512, constraints=opt_in(kv))
+    planner.plan(model(kv), kvzch_sharders())
+    options = [o for o in planner._enumerator.last_stored_search_space
+               if o.name == "user" and o.compute_kernel == KVZCH_KERNEL]
+    for shard in options[0].shards:  # 40,000 expected rows a shard: 5,000 cached, 35,000 on disk
+        index, disk = estimated_tier_bytes(35_000, layout_user.row_width * layout_user.itemsize)
+        assert shard.storage.ddr == RowStore.estimated_bytes(layout_user, 5_000) + index
+        if "ssd" in {f.name for f in fields(Storage)}:  # (TorchRec 1.8 on)
+            assert shard.storage.ssd == disk
+        assert 35_000 * 100 <= disk <= 35_000 * 100 * 1.3  # rows of 16 fp32, Adagrad, header: 100 bytes
+
+
 def test_plan_that_cannot_fit_is_rejected_by_the_planner():
     kv = tables(expected_rows=3_000_000_000)  # ~3B rows x ~100 bytes per rank >> 64 GiB
     with pytest.raises(PlannerError):

@@ -13,27 +13,41 @@ class DiskStorage:
     """Rows beyond a DRAM cache, on local disk (``table/disk_cache.py``). ``path``: a directory
     on local disk, this job's alone (each shard takes ``<path>/<table>/buckets-<start>-<end>``);
     ``cache_bytes``: the DRAM the table's rows may take, over all its shards (each shard gets
-    its buckets' share, as a table budget is split). The default, no path, keeps every row in
-    DRAM."""
+    its buckets' share, as a table budget is split); or ``shard_cache_bytes``, the DRAM of each
+    shard (as TorchRec's ``KeyValueParams.l2_cache_size`` sizes a rank's cache). The default,
+    no path, keeps every row in DRAM."""
 
     path: str | os.PathLike | None = None
     cache_bytes: int | None = None
+    shard_cache_bytes: int | None = None
 
     @property
     def enabled(self) -> bool:
         return self.path is not None
 
+    def shard_bytes(self, shard_buckets: int, total_buckets: int) -> int:
+        """The DRAM of a shard of ``shard_buckets`` of the table's ``total_buckets``."""
+        if self.shard_cache_bytes is not None:
+            return self.shard_cache_bytes
+        return self.cache_bytes * shard_buckets // total_buckets
+
     def validate(self, table: str) -> "DiskStorage":
         def fail(problem: str, fix: str):
             raise ValueError(f"KV-ZCH table '{table}': storage {problem}; fix: {fix}")
 
+        sizes = {k: v for k, v in (("cache_bytes", self.cache_bytes), ("shard_cache_bytes", self.shard_cache_bytes))
+                 if v is not None}
         if self.path is None:
-            if self.cache_bytes is not None:
-                fail("cache_bytes is set without a path", "give the disk tier's directory as storage.path")
+            if sizes:
+                fail(f"{' and '.join(sizes)} set without a path", "give the disk tier's directory as storage.path")
             return self
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
             fail(f"path must be a directory name, got {self.path!r}", "e.g. DiskStorage('/mnt/ssd/kvzch', ...)")
-        if not positive_int(self.cache_bytes):
-            fail(f"cache_bytes must be a positive integer, got {self.cache_bytes!r}",
+        if len(sizes) != 1:
+            fail("needs one of cache_bytes (the table's DRAM) and shard_cache_bytes (each shard's), "
+                 f"got {sorted(sizes) or 'neither'}", "give the DRAM the cached rows may take, e.g. cache_bytes=2 << 30")
+        name, value = next(iter(sizes.items()))
+        if not positive_int(value):
+            fail(f"{name} must be a positive integer, got {value!r}",
                  "give the DRAM the table's cached rows may take, e.g. 2 << 30")
         return self

@@ -30,12 +30,11 @@ class DiskCache:
         if store.device.type != "cpu":
             raise ValueError(f"KV-ZCH table '{params.name}': a disk tier serves a CPU store; on {store.device} "
                              "keep the rows in device memory (no storage.path)")
-        share = storage.cache_bytes * r.num_buckets // params.total_num_buckets
+        share = storage.shard_bytes(r.num_buckets, params.total_num_buckets)
         self.max_rows = share // layout.stored_bytes
         if self.max_rows < 1:
-            raise ValueError(f"KV-ZCH table '{params.name}': storage.cache_bytes {storage.cache_bytes} leaves the "
-                             f"shard of buckets [{r.start}, {r.end}) less than one row ({layout.stored_bytes} bytes); "
-                             "raise it")
+            raise ValueError(f"KV-ZCH table '{params.name}': storage {storage} leaves the shard of buckets "
+                             f"[{r.start}, {r.end}) less than one row ({layout.stored_bytes} bytes); raise it")
         self.store, self.layout = store, layout
         self.tier = DiskTier(Path(storage.path) / params.name / f"buckets-{r.start}-{r.end}",
                              layout.row_width * layout.itemsize, params.name)

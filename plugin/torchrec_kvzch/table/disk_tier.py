@@ -32,12 +32,21 @@ from pathlib import Path
 
 import torch
 
+from torchrec_kvzch.table.hashing import map_bytes
 from torchrec_kvzch.table.id_map import IdMap, as_ids
 from torchrec_kvzch.table.native import native_status
 
 PAGE = 4096
 SLACK = 1.25  # file positions per live row before freed positions in used units are filled
 IO_THREADS = 32  # requests in flight: this machine's disk reads 70k rows/s at 32, 41k at 8
+
+
+def estimated_tier_bytes(rows: int, row_bytes: int) -> tuple[int, int]:
+    """(memory, disk) a tier of ``rows`` rows of ``row_bytes`` takes at most: its index (the id
+    map, and per row a position, a header word and a used bit), and its file at full slack."""
+    per_unit = max(1, PAGE * -(-row_bytes // PAGE) // row_bytes)
+    unit = PAGE * -(-row_bytes // PAGE)
+    return map_bytes(rows) + rows * 25, -(-int(rows * SLACK) // per_unit) * unit + unit
 
 
 class DiskTier:

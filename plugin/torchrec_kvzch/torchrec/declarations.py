@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.modules.embedding_configs import (
@@ -35,13 +36,14 @@ from torchrec.modules.embedding_configs import (
     TimestampBasedEvictionPolicy,
 )
 
-from torchrec_kvzch.params import EvictionPolicy, KVZCHTableParams, OptimizerKind
+from torchrec_kvzch.params import DiskStorage, EvictionPolicy, KVZCHTableParams, OptimizerKind
 
 logger = logging.getLogger(__name__)
 
-# TorchRec's kernels for KV-ZCH tables. Ours serves all of them from DRAM: the first is the
-# name plans carry; the SSD ones get a notice (their rows are not on SSD here). TorchRec 1.6
-# (the torch 2.11 stack) has no DRAM_SSD_VIRTUAL_TABLE yet.
+# TorchRec's kernels for KV-ZCH tables: the first is the name plans carry; the SSD ones keep
+# their rows beyond a DRAM cache on disk where KeyValueParams give a directory and a cache size
+# (``disk_storage``), else in DRAM with a notice. TorchRec 1.6 (the torch 2.11 stack) has no
+# DRAM_SSD_VIRTUAL_TABLE yet.
 KVZCH_KERNEL = EmbeddingComputeKernel.DRAM_VIRTUAL_TABLE.value
 VIRTUAL_KERNELS = tuple(EmbeddingComputeKernel[name].value
                         for name in ("DRAM_VIRTUAL_TABLE", "SSD_VIRTUAL_TABLE", "DRAM_SSD_VIRTUAL_TABLE")
@@ -123,10 +125,12 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
                       ("stash_weights", "stashing weights"), ("need_pos", "position-weighted features")):
         if getattr(config, flag, False):
             fail(f"{flag}=True ({why}) is not supported by the DRAM row store", f"set {flag}=False")
-    if kernel != KVZCH_KERNEL:
-        _notice(name, kernel, f"'{kernel}' is served by the DRAM row store: its rows live in "
-                "host memory (device memory on CUDA), not on SSD")
-    check_key_value_params(name, key_value_params)
+    storage = disk_storage(kernel, key_value_params)
+    if kernel != KVZCH_KERNEL and not storage.enabled:
+        _notice(name, kernel, f"'{kernel}' is served by the DRAM row store: its rows live in host memory "
+                "(device memory on CUDA), not on SSD; for a disk tier under a DRAM cache give "
+                "KeyValueParams(ssd_storage_directory=..., l2_cache_size=<GB of DRAM rows per table shard>)")
+    check_key_value_params(name, key_value_params, honoured={"ssd_storage_directory"} if storage.enabled else set())
     eviction = eviction_policy(name, config.virtual_table_eviction_policy, key_value_params)
     optimizer = _optimizer_fields(name, fused_params or {})
     dtype = _DTYPES[config.data_type]
@@ -146,7 +150,7 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
         total_num_buckets=config.total_num_buckets, weight_dtype=dtype, init_range=(low, high),
         enable_optimizer_offloading=True,
         backend_return_whole_row=kernel != EmbeddingComputeKernel.SSD_VIRTUAL_TABLE.value,
-        eviction=eviction, **optimizer)
+        eviction=eviction, storage=storage, **optimizer)
     return KVZCHTableParams(**{**fields, **extras})
 
 
@@ -303,8 +307,22 @@ def _same(value, fixed) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == fixed
 
 
-def check_key_value_params(table: str, key_value_params) -> None:
-    """Refuses ``KeyValueParams`` fields the DRAM store cannot honour; notes the SSD-only ones."""
+def disk_storage(kernel: str, key_value_params) -> DiskStorage:
+    """An SSD kernel's disk tier from its ``KeyValueParams``: rows under ``ssd_storage_directory``
+    ("@local_rank" becoming this process's local rank, as TorchRec does), ``l2_cache_size`` GB of
+    DRAM rows per table shard (TorchRec's DRAM cache per TBE; here each table's shard has its
+    own). Without both, or on the DRAM kernel: no tier."""
+    directory = getattr(key_value_params, "ssd_storage_directory", None)
+    l2 = getattr(key_value_params, "l2_cache_size", None)
+    if kernel == KVZCH_KERNEL or directory is None or l2 is None:
+        return DiskStorage()
+    return DiskStorage(directory.replace("@local_rank", os.environ.get("LOCAL_RANK", "0")),
+                       shard_cache_bytes=int(l2 * 2**30))
+
+
+def check_key_value_params(table: str, key_value_params, honoured: set[str] = frozenset()) -> None:
+    """Refuses ``KeyValueParams`` fields the row store cannot honour; notes the SSD-only ones it
+    has no use for (all but ``honoured``)."""
     if key_value_params is None:
         return
     tbe_config = getattr(key_value_params, "kvzch_tbe_config", None)
@@ -314,7 +332,7 @@ def check_key_value_params(table: str, key_value_params) -> None:
             if owner is not None and getattr(owner, field, None):
                 raise ValueError(f"KV-ZCH table '{table}': {where}.{field} is not supported "
                                  f"({reason}); fix: leave it unset")
-    for field in sorted(_PLACEMENT_KEYS - {"use_passed_in_path"}):  # (True by default)
+    for field in sorted(_PLACEMENT_KEYS - {"use_passed_in_path"} - honoured):  # (True by default)
         if getattr(key_value_params, field, None) is not None:
             _notice(table, field, f"KeyValueParams.{field} configures SSD placement or caching; "
                     "the DRAM store has no use for it")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import pickle
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch.distributed as dist
 from torch import nn
@@ -52,8 +52,12 @@ from torchrec_kvzch.params import AdmissionPolicy, BucketRange, EvictionPolicy, 
 from torchrec_kvzch.torchrec.declarations import (
     EXTRA_FIELDS, KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_params)
 from torchrec_kvzch.torchrec.modules import ROW_WISE, KVZCHParameterSharding, kvzch_sharders
+from torchrec_kvzch.table.disk_tier import estimated_tier_bytes
 from torchrec_kvzch.table.layout import RowLayout
 from torchrec_kvzch.table.row_store import RowStore
+
+# TorchRec's Storage counts disk bytes from 1.8 on; 1.6 (the torch 2.11 stack) has no field for them.
+_SSD = "ssd" in {f.name for f in fields(Storage)}
 
 
 @dataclass
@@ -106,9 +110,15 @@ class KVZCHStorageEstimator(EmbeddingStorageEstimator):
             for shard in option.shards:
                 start, rows, size = shard.offset[0], shard.size[0], params.bucket_size
                 buckets = BucketRange(start // size, (start + rows) // size, size)
-                nbytes = (RowStore.estimated_bytes(layout, params.expected_shard_rows(buckets))
-                          + params.admission.sketch_bytes)
-                shard.storage = Storage(hbm=nbytes, ddr=0) if self._on_cuda else Storage(hbm=0, ddr=nbytes)
+                rows, extra, on_disk = params.expected_shard_rows(buckets), params.admission.sketch_bytes, 0
+                if params.storage.enabled:  # the cache's rows (and the tier's index) in DRAM, the others on disk
+                    cached = min(rows, params.storage.shard_bytes(buckets.num_buckets, params.total_num_buckets)
+                                 // layout.stored_bytes)
+                    index, on_disk = estimated_tier_bytes(rows - cached, layout.row_width * layout.itemsize)
+                    rows, extra = cached, extra + index
+                nbytes = RowStore.estimated_bytes(layout, rows) + extra
+                shard.storage = (Storage(hbm=nbytes, ddr=0) if self._on_cuda else
+                                 Storage(hbm=0, ddr=nbytes, **({"ssd": on_disk} if _SSD and on_disk else {})))
 
 
 _DENSE_NOTICE = "There is a known issue with TorchRec's dense tensor size calculation"

@@ -38,6 +38,7 @@ BENCHMARKS = {  # name -> (script, its JSON, arguments); the order runs the quic
     "admission": ("bench_admission.py", "bench_admission.json", []),
     "incremental": ("bench_incremental.py", "bench_incremental.json", []),
     "serving": ("bench_serving.py", "bench_serving.json", []),
+    "disk": ("bench_disk.py", "bench_disk.json", []),
 }
 
 

@@ -38,7 +38,9 @@ from torchrec_kvzch.table.native import native_status
 
 PAGE = 4096
 SLACK = 1.25  # file positions per live row before freed positions in used units are filled
-IO_THREADS = 32  # requests in flight: this machine's disk reads 70k rows/s at 32, 41k at 8
+# Requests in flight. This machine's disk reads 41k rows/s at 8, 70k at 32 (bench_disk_engines.py)
+# and about 90k at 64 and at 128 (the same, --threads 64 128): more threads stop paying at 64.
+IO_THREADS = 64
 
 
 def estimated_tier_bytes(rows: int, row_bytes: int) -> tuple[int, int]:

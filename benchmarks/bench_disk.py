@@ -1,0 +1,204 @@
+"""Training over a disk tier against the same table in DRAM (issue 32; docs/disk.md).
+
+    python benchmarks/bench_disk.py --json results/bench_disk.json          # and results/bench_disk.png
+    python benchmarks/bench_disk.py --json /tmp/disk.json --rows 1000000 --cache-mib 64 --steps 5   # a quick check
+
+One table of ``--rows`` (16M) ids drawn from 2^40, 128 fp32 with rowwise Adagrad (8.5 GB of rows),
+filled with the same rows (their id-seeded initial weights) in two fresh processes, one after
+the other: in DRAM, and over a disk tier (``--dir``) with a ``--cache-mib`` (2 GiB) DRAM cache.
+Each trains ``--warmup`` then ``--steps`` steps (forward, backward and the fused update) of
+batch 8192 x pooling 20, Zipf(1.05) ids then uniform ones (``bench_lookup``'s batches: the same
+in both), each step timed on its own. ``disk_over_dram_<dist>``: the DRAM table's median step
+time over the disk tier's (throughput, disk / DRAM). The tier reads and writes with ``O_DIRECT``
+(``o_direct``: true), so its rows never sit in the page cache: the timed steps read the disk,
+and the memory the tier takes is the process's RSS.
+
+Keys: ``disk_over_dram_zipf`` (target >= 0.5), ``disk_over_dram_uniform``, ``hit_rate_<dist>``
+(of the timed batches' existing rows, the share found in DRAM), ``write_amplification_<dist>``
+(bytes the tier wrote per timed step over the bytes of the rows the step changed, its distinct
+ids' whole rows), ``peak_rss_over_cache_budget`` (target <= 1.1: the disk-tier process's peak
+RSS less its fixed overhead, over the cache budget) with the fixed overhead stated apart:
+``fixed_overhead_mib`` (the process before the table, plus the tier's index and the cache's id
+map, whose size grows with the rows, not the cache), ``*_step_ms_<dist>`` the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm import tqdm
+
+from _common import fixed_mmap_threshold, print_targets
+from bench_checkpoint import RssSampler
+from bench_lookup import batches
+from torchrec_kvzch import KVZCHTableParams
+from torchrec_kvzch.params import DiskStorage
+from torchrec_kvzch.table.initializer import fill_uniform_by_id
+from torchrec_kvzch.table.layout import RowLayout, make_meta
+from torchrec_kvzch.table.tbe import TableTBE
+
+HERE = Path(__file__).resolve().parent
+DISTS = ("zipf", "uniform")
+TARGET_RATIO, TARGET_RSS = 0.5, 1.1
+FILL_ROWS = 1 << 16  # rows written at a time when the table is filled (their temporaries count in the peak RSS)
+
+
+def params(args, storage: DiskStorage | None = None) -> KVZCHTableParams:
+    return KVZCHTableParams("bench", args.dim, num_embeddings=2**40, total_num_buckets=1024, learning_rate=0.01,
+                            **({"storage": storage} if storage is not None else {}))
+
+
+def fill(tbe: TableTBE, universe: torch.Tensor, progress) -> None:
+    """Every id of ``universe`` gets its row (its id-seeded initial weights), as whole rows."""
+    store, p = tbe.store, tbe.store.params
+    layout = store.layout
+    for ids in universe.split(FILL_ROWS):
+        weights = torch.empty(ids.numel(), p.embedding_dim)
+        fill_uniform_by_id(weights, ids, *p.init_range, p.init_seed)
+        rows = layout.pack(ids, make_meta(0, 0, used=True).expand(ids.numel()), weights.to(layout.dtype),
+                           torch.zeros(ids.numel(), layout.optimizer_floats))
+        store.write_rows(rows)
+        progress.update(ids.numel())
+
+
+def worker(args) -> dict:
+    """One process: fill the table (in DRAM, or over a disk tier), then time the steps."""
+    process = psutil.Process()
+    base_rss = process.memory_info().rss
+    storage = DiskStorage(args.dir / "tier", cache_bytes=args.cache_mib << 20) if args.worker == "disk" else None
+    p = params(args, storage)
+    out: dict = {}
+    with RssSampler(0.05) as rss:
+        tbe = TableTBE(p, p.bucket_range(0, 1), initial_rows=args.rows if storage is None else 0)
+        gen = torch.Generator().manual_seed(0)
+        universe = torch.randint(0, 2**40, (int(args.rows * 1.01) + 16,), generator=gen).unique()[: args.rows]
+        universe = universe[torch.randperm(universe.numel(), generator=gen)]
+        with tqdm(total=args.rows, desc=f"fill ({args.worker})", unit="row", unit_scale=True, leave=False) as bar:
+            fill(tbe, universe, bar)
+        store, cache = tbe.store, tbe.store.cache
+        offsets = torch.arange(0, args.batch * args.pooling + 1, args.pooling)
+        row_bytes = store.layout.row_width * store.layout.itemsize
+        for dist in DISTS:
+            times, changed, written, hits, misses = [], 0, 0, 0, 0
+            for i, local in enumerate(batches(args.rows, args.batch, args.pooling, dist, args.warmup + args.steps,
+                                              seed=7)):
+                ids = universe[local]
+                before = cache.counters if cache is not None else None
+                t0 = time.perf_counter()
+                y = tbe(ids, offsets)
+                y.backward(torch.ones_like(y))
+                elapsed = time.perf_counter() - t0
+                if i < args.warmup:
+                    continue
+                times.append(elapsed * 1e3)
+                if cache is not None:
+                    after = cache.counters
+                    written += after["disk_bytes_written"] - before["disk_bytes_written"]
+                    hits += after["cache_hits"] - before["cache_hits"]
+                    misses += after["cache_misses"] - before["cache_misses"]
+                    changed += torch.unique(ids).numel() * row_bytes
+            out[f"step_ms_{dist}"] = statistics.median(times)
+            if cache is not None:
+                out[f"hit_rate_{dist}"] = hits / max(1, hits + misses)
+                out[f"write_amplification_{dist}"] = written / max(1, changed)
+        if cache is not None:
+            out.update(disk_rows=len(cache), dram_rows=len(store), cache_rows=cache.max_rows,
+                       tier_index_mib=cache.tier.nbytes / 2**20, id_map_mib=store.id_map.nbytes / 2**20,
+                       disk_file_gib=cache.tier.disk_bytes / 2**30, disk_bytes_read=cache.tier.bytes_read,
+                       disk_bytes_written=cache.tier.bytes_written)
+            cache.close()
+    out.update(base_rss_mib=base_rss / 2**20, peak_rss_mib=max(r for _, r in rss.samples) / 2**20)
+    return out
+
+
+def in_fresh_process(args, mode: str) -> dict:
+    cmd = [sys.executable, __file__, "--json", "-", "--worker", mode, "--rows", str(args.rows), "--dim", str(args.dim),
+           "--batch", str(args.batch), "--pooling", str(args.pooling), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--cache-mib", str(args.cache_mib), "--dir", str(args.dir)]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the {mode} worker failed ({done.returncode}); its output is above")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    left.bar(DISTS, [results[f"disk_over_dram_{d}"] for d in DISTS], color="tab:blue")
+    left.axhline(TARGET_RATIO, color="k", ls="--", lw=1, label=f"target {TARGET_RATIO} (zipf)")
+    left.set(ylabel="training steps/s, disk tier / DRAM", title=f"{results['rows'] / 1e6:.0f}M rows, "
+             f"{results['cache_mib']} MiB cache")
+    left.legend(fontsize=8)
+    right.bar(DISTS, [results[f"hit_rate_{d}"] for d in DISTS], color="tab:green")
+    right.set(ylabel="cache hit rate", ylim=(0, 1), title=f"batch {results['batch']} x {results['pooling']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--plot", type=Path, help="the PNG (default: the JSON's path with .png)")
+    parser.add_argument("--rows", type=int, default=16_000_000)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8192)
+    parser.add_argument("--pooling", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--cache-mib", type=int, default=2048)
+    parser.add_argument("--dir", type=Path, default=HERE.parent / ".disk_bench", help="a directory on local disk")
+    parser.add_argument("--worker", choices=["dram", "disk"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        fixed_mmap_threshold()  # freed temporaries go back to the OS: RSS is what is in use
+        print(json.dumps(worker(args)))
+        return
+    layout = RowLayout.for_table(params(args))
+    results: dict = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "pooling": args.pooling,
+                     "steps": args.steps, "cache_mib": args.cache_mib, "o_direct": True, "cpus": os.cpu_count(),
+                     "table_gib": args.rows * layout.stored_bytes / 2**30, "load_average": list(os.getloadavg())}
+    dram = in_fresh_process(args, "dram")
+    disk = in_fresh_process(args, "disk")
+    results.update(dram=dram, disk=disk)  # each process's figures
+    for dist in DISTS:
+        results[f"disk_over_dram_{dist}"] = dram[f"step_ms_{dist}"] / disk[f"step_ms_{dist}"]
+        results[f"hit_rate_{dist}"] = disk[f"hit_rate_{dist}"]
+        results[f"write_amplification_{dist}"] = disk[f"write_amplification_{dist}"]
+    fixed = disk["base_rss_mib"] + disk["tier_index_mib"] + disk["id_map_mib"]
+    results["fixed_overhead_mib"] = fixed
+    results["peak_rss_over_cache_budget"] = (disk["peak_rss_mib"] - fixed) / args.cache_mib
+    results["load_average_end"] = list(os.getloadavg())
+    results["targets"] = {f"disk_over_dram_zipf >= {TARGET_RATIO}": results["disk_over_dram_zipf"] >= TARGET_RATIO,
+                          f"peak_rss_over_cache_budget <= {TARGET_RSS}":
+                              results["peak_rss_over_cache_budget"] <= TARGET_RSS}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.plot or args.json.with_suffix(".png"))
+    print(f"\n{args.rows:,} rows x {args.dim} ({results['table_gib']:.1f} GiB), cache {args.cache_mib} MiB, "
+          f"batch {args.batch} x {args.pooling}")
+    for dist in DISTS:
+        print(f"  {dist:8s} DRAM {dram[f'step_ms_{dist}']:8.1f} ms  disk tier {disk[f'step_ms_{dist}']:8.1f} ms  "
+              f"ratio {results[f'disk_over_dram_{dist}']:.3f}  hit rate {results[f'hit_rate_{dist}']:.3f}  "
+              f"write amplification {results[f'write_amplification_{dist}']:.2f}")
+    print(f"  peak RSS {disk['peak_rss_mib']:,.0f} MiB: fixed {fixed:,.0f} MiB + "
+          f"{results['peak_rss_over_cache_budget']:.2f} x the cache budget")
+    print_targets(results["targets"])
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

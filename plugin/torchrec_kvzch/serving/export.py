@@ -4,13 +4,17 @@
 is a ``KeyedJaggedTensor``; the program takes the same inputs with the KJT replaced by plain
 tensors, ``values`` and ``lengths`` (and ``weights`` for weighted features) in the KJT's key
 order, and returns TorchRec outputs as plain tensors (a ``KeyedTensor``'s values, each
-``JaggedTensor``'s values), so loading it needs no TorchRec: only torch, fbgemm_gpu (its inference op) and our op
-library (``kvzch::served_rows``, registered with a Meta kernel, the id check included)::
+``JaggedTensor``'s values), so loading it needs no TorchRec: only torch, fbgemm_gpu (its
+inference op) and our ops (the id -> row step, registered with fake kernels, the id check
+included)::
 
-    import torch, fbgemm_gpu
-    torch.ops.load_library(LIBRARY)        # native_library() of the environment that built it
+    import torch
+    import torchrec_kvzch.ops               # our ops and fbgemm's; no TorchRec
     program = torch.export.load("model.pt2").module()
     scores = program(dense, values, lengths)
+
+A program made on CPU with the native op calls C++ ops only: ``import fbgemm_gpu`` and
+``torch.ops.load_library(native_library())`` (of the environment that built it) load it too.
 
 The batch size and the number of ids are dynamic. The served rows are constants of the program:
 a program is one version of the model (a follower serves new versions eagerly).

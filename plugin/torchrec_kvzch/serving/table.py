@@ -117,7 +117,8 @@ class ServedTable:
         self.name, self.dim, self.dtype, self.pooling = name, dim, dtype, pooling
         self.id_range = (int(lo), int(hi))
         self.device = device
-        self.row_bytes = row_bytes(dim, dtype, 16 if device.type == "cuda" else 1)
+        self._alignment = 16 if device.type == "cuda" else 1  # (fbgemm's: the CPU op reads rows unpadded)
+        self.row_bytes = row_bytes(dim, dtype, self._alignment)
         self._raw_bytes = row_bytes(dim, dtype)  # (the rest of a row is padding)
         if default_rows is None:
             default_rows = torch.zeros(1, dim)
@@ -341,5 +342,5 @@ class ServedTable:
             max_float32_D=d if self.dtype == "fp32" else 0, indices=indices,
             offsets=offsets, pooling_mode=int(POOLINGS[self.pooling]), indice_weights=weights,
             output_dtype=SparseType.FP32.as_int(), lxu_cache_weights=self._no_cache[0],
-            lxu_cache_locations=self._no_cache[1], row_alignment=1, max_float8_D=0,
+            lxu_cache_locations=self._no_cache[1], row_alignment=self._alignment, max_float8_D=0,
             fp8_exponent_bits=-1, fp8_exponent_bias=-1)

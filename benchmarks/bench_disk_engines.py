@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _docs import replace_between
+
 HERE = Path(__file__).resolve().parent
 ENGINES = ("rocksdb", "lmdb", "slots")
 
@@ -69,12 +71,6 @@ def table(results: dict, date: str) -> str:
     return "\n".join(lines)
 
 
-def rewrite(page: Path, text: str) -> None:
-    body = page.read_text()
-    start, end = (body.index(m) for m in MARKERS)
-    page.write_text(body[: start + len(MARKERS[0])] + "\n" + text + "\n" + body[end:])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, required=True)
@@ -90,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.from_json:
         results = json.loads(args.json.read_text())
-        rewrite(args.doc, table(results, results["date"]))
+        replace_between(args.doc, MARKERS, table(results, results["date"]))
         return
     results = {"date": time.strftime("%Y-%m-%d"), "rows": args.rows, "row_bytes": args.row_bytes, "batch": args.batch, "batches": args.batches,
                "cpus": os.cpu_count(), "load_average": list(os.getloadavg()), "runs": []}
@@ -110,7 +106,7 @@ def main() -> None:
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")
     if args.doc:
-        rewrite(args.doc, table(results, results["date"]))
+        replace_between(args.doc, MARKERS, table(results, results["date"]))
 
 
 if __name__ == "__main__":

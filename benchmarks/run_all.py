@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from _docs import replace_between
+
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = {  # name -> (script, its JSON, arguments); the order runs the quick ones first
     "store": ("bench_store.py", "bench_store.json", []),
@@ -85,9 +87,7 @@ def table(summary: dict) -> str:
 def update_docs(text: str, results: Path) -> None:
     """The table of docs/benchmarks.md, and in docs/benchmarks/ the run's JSON it was made from
     and its plots."""
-    page = PAGE.read_text()
-    start, end = (page.index(m) for m in MARKERS)
-    PAGE.write_text(page[: start + len(MARKERS[0])] + "\n" + text + "\n" + page[end:])
+    replace_between(PAGE, MARKERS, text)
     DOCS.mkdir(parents=True, exist_ok=True)
     for path in [*results.glob("*.json"), *results.glob("*.png")]:
         if not path.name.startswith("demo"):

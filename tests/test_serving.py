@@ -224,3 +224,14 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_serving_options_refuse_a_device_fbgemm_cannot_serve_on():
+    """Only cpu and cuda (where torch sees a GPU) serve; anything else is refused by name."""
+    from torchrec_kvzch.serving import ServingOptions
+    with pytest.raises(ValueError, match=r"ServingOptions.device 'meta': fbgemm's inference op serves on cpu or cuda"):
+        ServingOptions(device="meta").check({"t"}, {"t"})
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"ServingOptions.device 'cuda': torch sees no CUDA device here"):
+            ServingOptions(device="cuda").check({"t"}, {"t"})
+    ServingOptions(device="cpu").check({"t"}, {"t"})

@@ -99,7 +99,7 @@ class DiskCache:
     def _move_out(self, n: int, keep: torch.Tensor) -> None:
         """The ``n`` least recently used rows not in ``keep`` go to disk."""
         store = self.store
-        stamps = meta_timestamp(store.meta[: len(store)]).clone()
+        stamps = meta_timestamp(store.meta[: len(store)])  # (a new tensor: marked freely below)
         kept = store.find(keep)
         stamps[kept[kept >= 0]] = torch.iinfo(stamps.dtype).max
         slots = torch.topk(stamps, n, largest=False, sorted=False).indices

@@ -43,11 +43,17 @@ SLACK = 1.25  # file positions per live row before freed positions in used units
 IO_THREADS = 64
 
 
+def units_for(row_bytes: int) -> tuple[int, int]:
+    """(bytes of a unit, rows in it): the 4 KiB pages one row needs, holding as many whole rows
+    as fit."""
+    unit = PAGE * -(-row_bytes // PAGE)
+    return unit, unit // row_bytes
+
+
 def estimated_tier_bytes(rows: int, row_bytes: int) -> tuple[int, int]:
     """(memory, disk) a tier of ``rows`` rows of ``row_bytes`` takes at most: its index (the id
     map, and per row a position, a header word and a used bit), and its file at full slack."""
-    per_unit = max(1, PAGE * -(-row_bytes // PAGE) // row_bytes)
-    unit = PAGE * -(-row_bytes // PAGE)
+    unit, per_unit = units_for(row_bytes)
     return map_bytes(rows) + rows * 25, -(-int(rows * SLACK) // per_unit) * unit + unit
 
 
@@ -62,8 +68,7 @@ class DiskTier:
         self.fd = -1
         self.name, self.row_bytes, self.io_threads = name, row_bytes, io_threads
         self.native = native_status() if native is None else native
-        self.unit = PAGE * -(-row_bytes // PAGE)
-        self.per_unit = self.unit // row_bytes
+        self.unit, self.per_unit = units_for(row_bytes)
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = self._take_lock()

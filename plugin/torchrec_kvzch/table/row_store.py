@@ -204,9 +204,9 @@ class RowStore:
         out = torch.zeros(ids.numel(), self.layout.width(part), dtype=self.layout.part_dtype(part), device=self.device)
         out[hit] = self.read(slots[hit], part)
         if self.cache is not None:  # rows on disk, read where they are
-            found, rows = self.cache.read(ids[~hit], part)
-            out[torch.nonzero(~hit).view(-1)[found]] = rows
-            hit[torch.nonzero(~hit).view(-1)[found]] = True
+            on_disk = torch.nonzero(~hit).view(-1)
+            found, rows = self.cache.read(ids[on_disk], part)
+            out[on_disk[found]], hit[on_disk[found]] = rows, True
         if RowPart(part) is RowPart.ROW:  # an absent row's header: its id, used bit 0
             missing = ids[~hit]
             header = torch.stack([missing, torch.zeros_like(missing)], dim=1)

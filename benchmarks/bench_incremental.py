@@ -182,7 +182,7 @@ def main() -> None:
         for _ in range(10):
             train_on(model, store, 0.01, gen)
             doomed = torch.randperm(len(store), generator=gen)[: len(store) // 1000]
-            store.evict(doomed)
+            store.evict(store.keys()[doomed].clone())
             evicted += doomed.numel()
             step += 1
             timed_save(model, manager, step, incremental=True)

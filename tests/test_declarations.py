@@ -132,6 +132,12 @@ def test_ssd_kernels_with_a_directory_and_a_dram_cache_keep_their_rows_on_disk(c
     params = table_params(config(name="dram_t"), "dram_virtual_table",
                           KeyValueParams(ssd_storage_directory="/data/nvme", l2_cache_size=2))
     assert not params.storage.enabled
+    # With an eviction policy, under TorchRec's default trigger (memory past l2_cache_size): both.
+    params = table_params(config(CountBasedEvictionPolicy(eviction_threshold=3, decay_rate=0.5), name="evicting"),
+                          "ssd_virtual_table", KeyValueParams(ssd_storage_directory="/data/nvme", l2_cache_size=2))
+    assert params.storage == DiskStorage("/data/nvme", shard_cache_bytes=2 << 30)
+    assert params.eviction == EvictionPolicy(kind="lfu", count_threshold=3, count_decay=0.5, trigger="bytes",
+                                             trigger_bytes=2 << 30)
 
 
 def test_fused_params_fill_what_a_table_leaves_unset():

@@ -88,9 +88,7 @@ def test_admission_knows_the_ids_on_disk(tmp_path):
     assert len(ours.store.cache) > 0 and ours.store.counters["admitted"] == ref.store.counters["admitted"]
 
 
-def test_what_a_disk_tier_cannot_do_yet_is_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="storage with a disk tier takes no eviction policy yet"):
-        tables(tmp_path, 10, eviction=EvictionPolicy("lru", max_rows=100))
+def test_what_a_disk_tier_cannot_do_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="storage cache_bytes set without a path"):
         KVZCHTableParams("t", 16, storage=DiskStorage(cache_bytes=1 << 20))
     with pytest.raises(ValueError, match="storage needs one of cache_bytes .* got neither"):
@@ -152,23 +150,24 @@ def test_a_snapshot_reads_both_tiers_as_one_table_plain_frozen_and_changed(tmp_p
 
 def test_tables_over_disk_tiers_save_async_and_resume_at_other_world_sizes_exactly(pools, tmp_path):
     """test_resume's model with both KV-ZCH tables over disk tiers whose caches hold a fraction
-    of their rows: trained on 2 ranks and saved asynchronously while training goes on (rows
-    moving between the tiers), then resumed on 1 rank over a disk tier and on 3 ranks in DRAM:
-    every row with its header and every history as a run in DRAM that never saved."""
+    of their rows, one of them under lfu eviction (counts decayed, rows evicted from both
+    tiers): trained on 2 ranks and saved asynchronously while training goes on (rows moving
+    between the tiers), then resumed on 1 rank over a disk tier and on 3 ranks in DRAM: every
+    row with its header and every history as a run in DRAM that never saved."""
     import test_resume as r
     from torchrec_kvzch.table.layout import RowLayout
 
     # 24 rows a table over its shards: every batch's ids fit a shard's share (12 a step at most)
     cache = RowLayout.for_table(r.table_params()[0]).stored_bytes * 24
     ckpt = str(tmp_path / "ckpt")
-    pools[2].run(r.save_run, "none", 10, 3, ckpt, True, 0.0, {"storage": (str(tmp_path / "tier2"), cache)})
+    pools[2].run(r.save_run, "lfu", 10, 3, ckpt, True, 0.0, {"storage": (str(tmp_path / "tier2"), cache)})
     for world, table_kw in ((1, {"storage": (str(tmp_path / "tier1"), cache)}), (3, None)):
-        expected = pools[world].run(r.reference_run, "none", 10, 3, 0.0)
-        got = pools[world].run(r.resume_run, "none", 10, 3, ckpt, 0.0, table_kw)
+        expected = pools[world].run(r.reference_run, "lfu", 10, 3, 0.0)
+        got = pools[world].run(r.resume_run, "lfu", 10, 3, ckpt, 0.0, table_kw)
         # (Outputs differ across world sizes by design: TorchRec seeds the ordinary table per shard.)
         assert r.same(expected[0][0], got[0][0], across_worlds=True) == []
-        rows = {h[3] for h in got[0][0]["history"][0].values()}
-        assert min(rows) > 24  # more rows than the caches hold
+        history = got[0][0]["history"][0]
+        assert history["u"][3] > 24 and history["t"][2] > 0  # past the cache; evictions
 
 
 def test_the_job_over_disk_tiers_computes_what_it_computes_in_dram_and_reports_the_tier(tmp_path):

@@ -155,9 +155,9 @@ def _load_train_save_reload(rank, world_size, root):
     notes = []
     handler = logging.Handler()
     handler.emit = lambda record: notes.append(record.getMessage())
-    logging.getLogger("torchrec_kvzch.table.eviction").addHandler(handler)
+    logging.getLogger("torchrec_kvzch.table").addHandler(handler)
     _step(model, torch.Generator().manual_seed(100))
-    logging.getLogger("torchrec_kvzch.table.eviction").removeHandler(handler)
+    logging.getLogger("torchrec_kvzch.table").removeHandler(handler)
     out["notes"] = notes
     out["after"] = {n: len(s) for n, s in stores.items()}
     out["evicted"] = {n: s.history.evicted - evicted[n] for n, s in stores.items()}

@@ -118,9 +118,6 @@ class KVZCHTableParams:
         if not isinstance(self.storage, DiskStorage):
             fail("storage", f"must be a DiskStorage, got {type(self.storage).__name__}", "pass DiskStorage(...)")
         object.__setattr__(self, "storage", self.storage.validate(self.name))
-        if self.storage.enabled and self.eviction.enabled:
-            fail("storage", "with a disk tier takes no eviction policy yet (its rows on disk would not be "
-                 "evicted)", "drop the eviction policy, or the storage path")
         if self.init_seed is None:
             object.__setattr__(self, "init_seed", zlib.crc32(self.name.encode()))
         elif not isinstance(self.init_seed, int):

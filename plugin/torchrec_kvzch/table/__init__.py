@@ -2,7 +2,7 @@
 and id-seeded initializer, eviction, snapshots, the row store, the KV tensor over it, and
 ``TableTBE``, which binds fbgemm's TBE to the store's rows."""
 
-from torchrec_kvzch.table.eviction import SharedBudget
+from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.id_map import IdMap
 from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.table.layout import RowLayout, RowPart

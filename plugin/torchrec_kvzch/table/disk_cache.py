@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
+from torchrec_kvzch.params import EvictionKind
 from torchrec_kvzch.params.storage import DiskStorage
 from torchrec_kvzch.table.disk_tier import DiskTier
 from torchrec_kvzch.table.id_map import as_ids
-from torchrec_kvzch.table.layout import RowPart, meta_timestamp
+from torchrec_kvzch.table.layout import RowPart, meta_timestamp, weight_norms
 
 
 class DiskCache:
@@ -37,7 +38,9 @@ class DiskCache:
                              f"[{r.start}, {r.end}) less than one row ({layout.stored_bytes} bytes); raise it")
         self.store, self.layout = store, layout
         self.tier = DiskTier(Path(storage.path) / params.name / f"buckets-{r.start}-{r.end}",
-                             layout.row_width * layout.itemsize, params.name)
+                             layout.row_width * layout.itemsize, params.name,
+                             meta_at=layout.width_offset(RowPart.META) * layout.itemsize,
+                             keep_norms=EvictionKind(params.eviction.kind) is EvictionKind.L2)
         self.moved_out = self.moved_in = 0
         self.hits = self.misses = 0  # a training batch's existing rows found in DRAM, or brought from disk
         self.writing = False  # inside ``write``: the store writes to DRAM
@@ -105,7 +108,8 @@ class DiskCache:
         slots = torch.topk(stamps, n, largest=False, sorted=False).indices
         keys = store.keys()[slots].clone()
         rows = store.read(slots, RowPart.ROW).contiguous()
-        self.tier.put(keys, rows.view(torch.uint8).view(n, -1), self.layout.header(rows)[1])
+        norms = weight_norms(self.layout.unpack(rows)[2]) if self.tier.keep_norms else None
+        self.tier.put(keys, rows.view(torch.uint8).view(n, -1), norms=norms)
         store.delete(keys, moved=True)
         self.moved_out += n
 
@@ -114,19 +118,17 @@ class DiskCache:
         found, rows = self.tier.read(ids)
         return found, self._part(rows, part)
 
-    def read_at(self, positions: torch.Tensor, part: RowPart) -> torch.Tensor:
-        """``part`` of the rows at tier ``positions`` (a snapshot's, while it holds the tier)."""
-        return self._part(self.tier.read_at(positions), part)
-
     def read_mixed(self, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, part: RowPart,
-                   out: torch.Tensor | None = None, arrays=None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, arrays=None, meta: torch.Tensor | None = None) -> torch.Tensor:
         """``part`` of rows in either tier: at DRAM ``slots`` (of ``arrays``, default the store's)
-        where ``positions`` is -1, else at those tier positions; ``keys``: their ids."""
+        where ``positions`` is -1, else at those tier positions (held by the caller), with header
+        words ``meta`` (default: the tier's now); ``keys``: their ids."""
         disk = positions >= 0
         rows = self.store.read(slots.masked_fill(disk, 0), part, keys=keys, arrays=arrays, out=out)
         if bool(disk.any()):
             at = torch.nonzero(disk).view(-1)
-            rows[at] = self.read_at(positions[at], part).to(rows.dtype)
+            words = self.stamps(keys[at]) if meta is None else meta[at]
+            rows[at] = self._part(self.tier.read_at(positions[at], words), part).to(rows.dtype)
         return rows
 
     def snapshot(self, dram_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -140,7 +142,7 @@ class DiskCache:
         return ids, order.masked_fill(on_disk, -1), positions
 
     def stamps(self, ids: torch.Tensor) -> torch.Tensor:
-        """The header words of ``ids`` (rows on disk), as the tier keeps them."""
+        """The header words of ``ids`` (rows on disk) now."""
         return self.tier.meta[self.tier.index.find(ids)]
 
     def _part(self, rows: torch.Tensor, part: RowPart) -> torch.Tensor:

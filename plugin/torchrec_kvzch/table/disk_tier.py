@@ -6,9 +6,13 @@ A row is in DRAM or here, never both: the row store moves rows here when they le
 size at positions, grouped in units (4 KiB, or the multiple of it one row needs), and is read
 and written a unit at a time with ``O_DIRECT`` by the native op (``csrc/disk_ops.cpp``, on a
 pool of I/O threads; a Python twin stands in without it), so nothing goes through the page
-cache. In memory: the id map (id -> entry), each entry's position and header word (``meta``: a
-checkpoint tells changed rows by it without reading the disk), which positions are used, and
-each unit's count of rows. ``generation`` counts the changes, for readers that cache positions.
+cache. In memory: the id map (id -> entry), each entry's position, which positions are used,
+each unit's count of rows and, given ``meta_at`` (where a row's header word sits), each entry's
+header word (``meta``), which the tier owns: reads return rows with it, so a checkpoint tells
+changed rows and eviction ranks rows without reading the disk, and a rewrite of every header
+(lfu's count decay) never touches the file. ``keep_norms``: each entry's weight norm too, given
+to ``put`` (the ``l2`` eviction rule). ``generation`` counts the changes, for readers that cache
+positions.
 
 Placement: rows put go to whole free units (written without a read) or new units at the end
 while the file stays within ``SLACK`` times the rows it holds; past that, into the free
@@ -52,21 +56,27 @@ def units_for(row_bytes: int) -> tuple[int, int]:
 
 def estimated_tier_bytes(rows: int, row_bytes: int) -> tuple[int, int]:
     """(memory, disk) a tier of ``rows`` rows of ``row_bytes`` takes at most: its index (the id
-    map, and per row a position, a header word and a used bit), and its file at full slack."""
+    map, and per row a position, a header word, a weight norm and a used bit), and its file at
+    full slack."""
     unit, per_unit = units_for(row_bytes)
-    return map_bytes(rows) + rows * 25, -(-int(rows * SLACK) // per_unit) * unit + unit
+    return map_bytes(rows) + rows * 29, -(-int(rows * SLACK) // per_unit) * unit + unit
 
 
 class DiskTier:
-    """``row_bytes``-byte rows of table ``name`` under ``directory``. ``native``: use the native
-    op for the file's I/O (default: when it is built)."""
+    """``row_bytes``-byte rows of table ``name`` under ``directory``. ``meta_at``: the byte
+    offset of a row's int64 header word, kept in memory (None: rows are opaque, ``meta`` is
+    what ``put`` gives). ``native``: use the native op for the file's I/O (default: when it is
+    built)."""
 
-    def __init__(self, directory: str | os.PathLike, row_bytes: int, name: str, *, io_threads: int = IO_THREADS,
-                 native: bool | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike, row_bytes: int, name: str, *, meta_at: int | None = None,
+                 keep_norms: bool = False, io_threads: int = IO_THREADS, native: bool | None = None) -> None:
         if not isinstance(row_bytes, int) or row_bytes < 1:
             raise ValueError(f"disk tier of table '{name}': row_bytes must be a positive integer, got {row_bytes!r}")
+        if meta_at is not None and not 0 <= meta_at <= row_bytes - 8:
+            raise ValueError(f"disk tier of table '{name}': meta_at {meta_at} is not within a row of {row_bytes} bytes")
         self.fd = -1
         self.name, self.row_bytes, self.io_threads = name, row_bytes, io_threads
+        self.meta_at, self.keep_norms = meta_at, keep_norms
         self.native = native_status() if native is None else native
         self.unit, self.per_unit = units_for(row_bytes)
         self.dir = Path(directory)
@@ -81,6 +91,7 @@ class DiskTier:
         # len(self), units * per_unit and units elements are live).
         self._position = torch.empty(0, dtype=torch.long)
         self._meta = torch.empty(0, dtype=torch.long)
+        self._norm = torch.empty(0, dtype=torch.float32)
         self._used = torch.zeros(0, dtype=torch.bool)
         self._unit_rows = torch.zeros(0, dtype=torch.int32)
         self.units = self.generation = 0
@@ -115,8 +126,13 @@ class DiskTier:
 
     @property
     def meta(self) -> torch.Tensor:
-        """Each entry's header word, as ``put`` gave it."""
+        """Each entry's header word (writable: a decay rewrites it here)."""
         return self._meta[: len(self)]
+
+    @property
+    def norm(self) -> torch.Tensor:
+        """Each entry's weight norm, as ``put`` gave it (with ``keep_norms``)."""
+        return self._norm[: len(self)]
 
     @property
     def used(self) -> torch.Tensor:
@@ -136,20 +152,26 @@ class DiskTier:
     def nbytes(self) -> int:
         """Memory held: the id map and the per-entry, per-position and per-unit arrays."""
         return self.index.nbytes + sum(t.numel() * t.element_size()
-                                       for t in (self._position, self._meta, self._used, self._unit_rows,
-                                                 self._free_units))
+                                       for t in (self._position, self._meta, self._norm, self._used,
+                                                 self._unit_rows, self._free_units))
 
     # -- rows in and out ------------------------------------------------------------------------
-    def put(self, ids: torch.Tensor, rows: torch.Tensor, meta: torch.Tensor | None = None) -> None:
-        """Write the rows of ``ids`` (distinct, none already here) to the file; ``meta``: their
-        header words (kept in memory), zeros if not given."""
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, meta: torch.Tensor | None = None,
+            norms: torch.Tensor | None = None) -> None:
+        """Write the rows of ``ids`` (distinct, none already here) to the file. ``meta``: their
+        header words, kept in memory (default: read from the rows at ``meta_at``, else zeros);
+        ``norms``: their weight norms (needed with ``keep_norms``)."""
         ids = as_ids(ids, torch.device("cpu"))
         n = ids.numel()
         if tuple(rows.shape) != (n, self.row_bytes) or rows.dtype != torch.uint8:
             raise ValueError(f"disk tier of table '{self.name}': {n} ids with rows of {rows.dtype} "
                              f"{list(rows.shape)}; expected uint8 [{n}, {self.row_bytes}]")
+        if self.keep_norms and (norms is None or norms.numel() != n):
+            raise ValueError(f"disk tier of table '{self.name}': put needs the {n} rows' weight norms (keep_norms)")
         if not n:
             return
+        if meta is None and self.meta_at is not None:
+            meta = rows[:, self.meta_at:self.meta_at + 8].contiguous().view(torch.long)
         if torch.unique(ids).numel() != n or bool((self.index.find(ids) >= 0).any()):
             raise ValueError(f"disk tier of table '{self.name}': ids put twice, or already on disk; a row is "
                              "in DRAM or on disk, never both")
@@ -169,6 +191,9 @@ class DiskTier:
         self._position, self._meta = _room(self._position, len(self)), _room(self._meta, len(self))
         self.position[entries] = positions
         self.meta[entries] = 0 if meta is None else meta.reshape(-1).long()
+        if self.keep_norms:
+            self._norm = _room(self._norm, len(self))
+            self.norm[entries] = norms.reshape(-1).float()
         self.generation += 1
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
@@ -179,7 +204,8 @@ class DiskTier:
         """(which ids have a row here, their rows ``[found, row_bytes]``), changing nothing."""
         entries = self.index.find(as_ids(ids, torch.device("cpu"), check=False))
         found = entries >= 0
-        return found, self._read(self.position[entries[found]])
+        entries = entries[found]
+        return found, self._read(self.position[entries], self.meta[entries])
 
     def take(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``read``, then the rows found leave the tier (a batch brings them into DRAM)."""
@@ -201,9 +227,10 @@ class DiskTier:
         entries = self.index.find(as_ids(ids, torch.device("cpu"), check=False))
         return torch.where(entries >= 0, self.position[entries.clamp(min=0)], -1)
 
-    def read_at(self, positions: torch.Tensor) -> torch.Tensor:
-        """The rows at ``positions`` (from ``positions``), ``[n, row_bytes]``."""
-        return self._read(positions.reshape(-1).long())
+    def read_at(self, positions: torch.Tensor, meta: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows at ``positions`` (from ``positions``), ``[n, row_bytes]``, with header words
+        ``meta`` (the reader's: the tier's may have changed since it took the positions)."""
+        return self._read(positions.reshape(-1).long(), meta)
 
     def keys(self) -> torch.Tensor:
         """The ids with a row here (a view: copy it before changing the tier)."""
@@ -264,8 +291,8 @@ class DiskTier:
             return
         positions = self.position[self.index.find(ids)]
         moves = self.index.erase(ids)
-        self._position[moves.dst] = self._position[moves.src]
-        self._meta[moves.dst] = self._meta[moves.src]
+        for per_entry in (self._position, self._meta) + ((self._norm,) if self.keep_norms else ()):
+            per_entry[moves.dst] = per_entry[moves.src]
         self.generation += 1
         if self._holders:
             self._deferred.append(positions)
@@ -279,7 +306,7 @@ class DiskTier:
         units = torch.unique(units)
         self._free_units = torch.cat([self._free_units, units[self.unit_rows[units] == 0]])
 
-    def _read(self, positions: torch.Tensor) -> torch.Tensor:
+    def _read(self, positions: torch.Tensor, meta: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(positions.numel(), self.row_bytes, dtype=torch.uint8)
         if positions.numel():
             if self.native:
@@ -287,6 +314,8 @@ class DiskTier:
             else:
                 _read_twin(self.fd, positions, out, self.unit)
             self.bytes_read += torch.unique(positions // self.per_unit).numel() * self.unit
+            if meta is not None and self.meta_at is not None:
+                out[:, self.meta_at:self.meta_at + 8] = meta.reshape(-1, 1).long().view(torch.uint8)
         return out
 
     def _write(self, positions: torch.Tensor, rows: torch.Tensor, partial: torch.Tensor) -> None:

@@ -17,11 +17,8 @@ up, when no fused update is pending (a delete moves rows between slots). Three t
   would take the shard past it, the least valuable rows go first - oldest timestamp for ``lru``
   and ``ttl``, lowest count (then oldest) for ``lfu``, ties by ascending id - down to 1/64 below
   the budget, so that the next batches do not each pay for a selection;
-* a rank's budget (``SharedBudget`` over a ``RankBudget``), shared by several stores: the same,
-  over the rows of all of them, in the budget's order (ties by store, then id). A store whose
-  fused update is pending (looked up earlier in this step) cannot lose rows now - a delete
-  would move rows under the update - so its share of the chosen rows stays until its next
-  forward, which finds the rank still past the budget and evicts them then.
+* a rank's budget, shared by several stores (``rank_budget.py``): the same, over the rows of
+  all of them.
 
 Rows of the batch being looked up are never evicted for it; if they alone exceed a budget the
 shard (or rank) goes past it by at most that batch. A load (``loaded``) may leave a shard or a
@@ -31,21 +28,25 @@ resume stays exact - and logs how many rows it evicted. Every decision depends o
 clock only, never on whether a checkpoint is being written: a frozen snapshot copies the rows
 an eviction removes, and ``lfu`` decay, which rewrites every header, first has it keep the
 header words (8 bytes a row, once per freeze), not whole rows.
+
+Over a disk tier (``disk_cache.py``) a shard's rows are those in DRAM and those on disk, and
+every rule, budget and trigger above counts both (a byte budget counts a row on disk as the
+DRAM it would take), so a table keeps the rows it would keep without the tier: the rules read
+the header words and weight norms the tier keeps in memory, never the disk, and an evicted row
+leaves whichever tier holds it.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import time
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
-from torchrec_kvzch.params import EvictionKind, EvictionPolicy, EvictionTrigger, RankBudget
+from torchrec_kvzch.params import EvictionKind, EvictionPolicy, EvictionTrigger
 from torchrec_kvzch.table.id_map import as_ids
 from torchrec_kvzch.table.layout import (
     decayed,
@@ -53,6 +54,7 @@ from torchrec_kvzch.table.layout import (
     meta_count_then_timestamp,
     meta_timestamp,
     meta_timestamp_view,
+    weight_norms,
 )
 
 logger = logging.getLogger(__name__)
@@ -95,7 +97,8 @@ def least_valuable(stores: Sequence, candidates: Sequence[torch.Tensor], keys: S
                    enough: Callable[[list[int]], bool]) -> list[torch.Tensor]:
     """The rows to evict from several stores: the shortest prefix of the candidate rows, in order
     of (key, store, id), whose removal makes ``enough(rows removed per store)`` true (all of
-    them when even that is not enough). Returns a mask per store.
+    them when even that is not enough). Masks and keys are over each store's ``shard_rows``;
+    returns a mask per store.
 
     ``enough`` must be monotone (removing more never hurts), so the cut-off key is found by
     bisection over key values, each step counting rows below it with one vectorised pass per
@@ -135,16 +138,17 @@ def least_valuable(stores: Sequence, candidates: Sequence[torch.Tensor], keys: S
         picked = mask & (key < low)
         if take:
             tied = torch.nonzero(mask & (key == low)).view(-1)
-            ids = store.keys()[tied]
+            ids = shard_ids(store)[tied]
             picked[tied[torch.topk(ids, take, largest=False).indices]] = True
         chosen.append(picked)
     return chosen
 
 
 class Evictor:
-    """The eviction of one store: its table's policy, and the rank budget it shares, if any."""
+    """The eviction of one store: its table's policy, and the rank budget it shares, if any
+    (``budget``, a ``rank_budget.SharedBudget``)."""
 
-    def __init__(self, store, budget: "SharedBudget | None" = None) -> None:
+    def __init__(self, store, budget=None) -> None:
         self.store = store
         params, r = store.params, store.bucket_range
         self.policy = params.eviction.for_shard(r.start, r.end, params.total_num_buckets, params.name)
@@ -161,7 +165,7 @@ class Evictor:
                  ("max_rows", "max_bytes", "table_max_rows", "table_max_bytes") if getattr(params.eviction, n)]
         self._budget_note = "eviction." + ", ".join(given)  # for the note after a load
         self._loaded = False
-        self.shared: SharedBudget | None = None  # set by SharedBudget._register
+        self.shared = None  # the rank's SharedBudget (rank_budget.py), set by its _register
         if budget is not None:
             budget._register(store, self)
         self.time_source: Callable[[], float] = time.time  # seconds; for ttl_minutes
@@ -171,7 +175,7 @@ class Evictor:
     def before_insert(self, ids: torch.Tensor) -> int:
         """Run a due pass, then make room for the batch ``ids`` under the table's budget and the
         rank's; returns the number of rows evicted from this store and others."""
-        held, self._loaded = (len(self.store) if self._loaded else None), False
+        held, self._loaded = (shard_rows(self.store) if self._loaded else None), False
         evicted = self._own_policy(ids) if self.kind is not EvictionKind.NONE else 0
         if held is not None and self.max_rows is not None and held > self.max_rows:
             r = self.store.bucket_range
@@ -192,10 +196,10 @@ class Evictor:
             self.shared.loaded = True
 
     def remove(self, doomed: torch.Tensor) -> int:
-        """Evict the rows of the mask ``doomed`` (one entry per live slot)."""
+        """Evict the rows of the mask ``doomed`` (over ``shard_rows``)."""
         victims = torch.nonzero(doomed).view(-1)
         if victims.numel():
-            self.store.evict(victims)
+            self.store.evict(shard_ids(self.store)[victims])
         return victims.numel()
 
     def run_pass(self) -> int:
@@ -212,19 +216,19 @@ class Evictor:
     def _own_policy(self, ids: torch.Tensor) -> int:
         store = self.store
         ids = as_ids(ids, store.device, check=False)  # range: checked by find
-        present = store.find(ids)
-        protected = _batch_rows(store, present)
+        present = locate(store, ids)
+        protected = batch_rows(store, present)
         doomed = torch.zeros_like(protected)
         self._note_time()
         if self.kind in _PASS_KINDS and self._pass_due():
             doomed |= self._expired() & ~protected
         if self.max_rows is not None:
-            new = _new_rows(ids, present)
-            survivors = len(store) - int(doomed.sum())
+            new = new_rows(ids, present)
+            survivors = shard_rows(store) - int(doomed.sum())
             if survivors + new > self.max_rows:
                 target = self.max_rows - self.max_rows // 64
                 order = EvictionKind.LFU if self.kind is EvictionKind.LFU else EvictionKind.LRU
-                key = order_key(store.meta[: len(store)], order)
+                key = order_key(shard_meta(store), order)
                 [extra] = least_valuable([store], [~(protected | doomed)], [key],
                                          lambda removed: survivors - removed[0] + new <= target)
                 doomed |= extra
@@ -236,9 +240,9 @@ class Evictor:
         if trigger is EvictionTrigger.INTERVAL:
             return store.clock % policy.interval_steps == 0
         if trigger is EvictionTrigger.ROWS:
-            return len(store) > policy.trigger_rows
+            return shard_rows(store) > policy.trigger_rows
         if trigger is EvictionTrigger.BYTES:
-            return budget_bytes(store, len(store)) > policy.trigger_bytes
+            return budget_bytes(store, shard_rows(store)) > policy.trigger_bytes
         if trigger is EvictionTrigger.FREE_MEMORY:
             return (store.clock % policy.interval_steps == 0
                     and self.available_memory() < policy.free_memory_bytes)
@@ -247,14 +251,16 @@ class Evictor:
     def _expired(self) -> torch.Tensor:
         """The pass's verdict per live row (``lfu``: after decaying the counts)."""
         store, policy = self.store, self.policy
-        meta = store.meta[: len(store)]
         if self.kind is EvictionKind.L2:
-            return store.weights[: len(store)].float().norm(dim=1) < policy.l2_threshold
+            norms = weight_norms(store.weights[: len(store)])
+            return (norms if store.cache is None else torch.cat([norms, store.cache.tier.norm])) < policy.l2_threshold
+        if self.kind is not EvictionKind.TTL and policy.count_decay < 1.0:
+            store.before_header_rewrite(decay=policy.count_decay)
+            for words in _meta_parts(store):
+                words.copy_(decayed(words, policy.count_decay))
+        meta = shard_meta(store)
         if self.kind is EvictionKind.TTL:
             return self._past_ttl(meta)
-        if policy.count_decay < 1.0:
-            store.before_header_rewrite(decay=policy.count_decay)
-            meta.copy_(decayed(meta, policy.count_decay))
         rare = meta_count(meta) < policy.count_threshold
         if policy.ttl_steps is None and policy.ttl_minutes is None:
             return rare
@@ -290,86 +296,6 @@ class Evictor:
         return fresh[0] if fresh else self.store.clock + 1
 
 
-class SharedBudget:
-    """A ``RankBudget`` over the stores attached to it: all KV-ZCH table shards of a rank
-    (``kvzch_sharders(rank_budget=...)`` attaches every store it shards). Stores are held weakly,
-    so the tables of a dropped model leave the budget."""
-
-    def __init__(self, budget: RankBudget) -> None:
-        if not isinstance(budget, RankBudget):
-            raise TypeError(f"SharedBudget needs a RankBudget, got {type(budget).__name__}")
-        self.budget = budget
-        self._stores: list[weakref.ref] = []
-        self.loaded = False  # a store under it was loaded since the last make_room (Evictor.loaded)
-
-    def _register(self, store, evictor: Evictor) -> None:
-        """Put ``store`` (being built, with ``evictor``) under this budget. On CPU its row arrays
-        are reserved for as many rows as the whole budget holds of its rows (address space
-        only), so it never grows by copying."""
-        if evictor.shared is not None:
-            raise ValueError(f"table '{store.params.name}': this store is already under a rank budget")
-        evictor.shared = self
-        self._stores.append(weakref.ref(store))
-        if store.device.type == "cpu":  # at most the machine's memory: a larger mapping may be refused
-            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            most = dataclasses.replace(self.budget, max_bytes=min(self.budget.max_bytes or physical, physical))
-            store.reserve(budget_rows(most, lambda rows: budget_bytes(store, rows)), id_map=False)
-
-    @property
-    def stores(self) -> list:
-        """The live stores under the budget, in the order they were attached."""
-        alive = [(ref, ref()) for ref in self._stores]
-        self._stores = [ref for ref, store in alive if store is not None]
-        return [store for _, store in alive if store is not None]
-
-    def usage(self) -> dict[str, int]:
-        """Rows and counted bytes over all stores under the budget."""
-        stores = self.stores
-        return {"rows": sum(len(s) for s in stores), "bytes": sum(budget_bytes(s, len(s)) for s in stores)}
-
-    def make_room(self, store, ids: torch.Tensor) -> int:
-        """Evict from the stores under the budget so that the new rows of ``ids`` in ``store``
-        fit; returns the rows evicted (from any store)."""
-        stores = self.stores
-        if store not in stores:
-            raise ValueError(f"table '{store.params.name}': this store is not under the rank budget")
-        ids = as_ids(ids, store.device, check=False)  # range: checked by find
-        present = store.find(ids)
-        new = _new_rows(ids, present)
-        at, budget = stores.index(store), self.budget
-
-        def over(removed: list[int], slack: bool) -> bool:
-            """Past the budget (``slack``: past 1/64 below it) after removing and inserting."""
-            rows = [len(s) - r + (new if i == at else 0) for i, (s, r) in enumerate(zip(stores, removed))]
-            used = []
-            if budget.max_rows is not None:
-                used.append((sum(rows), budget.max_rows))
-            if budget.max_bytes is not None:
-                used.append((sum(map(budget_bytes, stores, rows)), budget.max_bytes))
-            return any(total > limit - (limit // 64 if slack else 0) for total, limit in used)
-
-        loaded, self.loaded = self.loaded, False
-        if not over([0] * len(stores), slack=False):
-            return 0
-        held = self.usage() if loaded else {}
-        past = [f"{n}={getattr(budget, n)}" for n in ("max_rows", "max_bytes")
-                if getattr(budget, n) is not None and held.get(n[4:], 0) > getattr(budget, n)]
-        protected = _batch_rows(store, present)
-        candidates = [~protected if s is store else torch.ones(len(s), dtype=torch.bool, device=s.device)
-                      for s in stores]
-        keys = [order_key(s.meta[: len(s)], budget.order) for s in stores]
-        doomed = least_valuable(stores, candidates, keys, lambda removed: not over(removed, slack=True))
-        # Rows chosen in a store whose fused update is pending stay until its next forward.
-        evicted = sum(s.evictor.remove(mask) for s, mask in zip(stores, doomed)
-                      if s is store or s.pending_update is None)
-        if past:
-            logger.warning("KV-ZCH rank budget (%s): after a load, this rank's KV-ZCH table shards held "
-                           "%d rows, %d bytes at the first training lookup, past it; it evicted %d rows "
-                           "(%s order) before the batch was looked up", ", ".join(past), held["rows"],
-                           held["bytes"], evicted, budget.order.value)
-        return evicted
-
-
 _PASS_KINDS = (EvictionKind.TTL, EvictionKind.LFU, EvictionKind.L2)
 
 
@@ -385,12 +311,40 @@ def _available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _batch_rows(store, present: torch.Tensor) -> torch.Tensor:
-    """Mask over the live slots of the rows the batch looks up (never evicted for it)."""
-    protected = torch.zeros(len(store), dtype=torch.bool, device=store.device)
+# -- a shard's rows as eviction sees them: those in DRAM by slot, then those on disk by tier entry
+def shard_rows(store) -> int:
+    return len(store) + (len(store.cache) if store.cache is not None else 0)
+
+
+def shard_ids(store) -> torch.Tensor:
+    return store.keys() if store.cache is None else torch.cat([store.keys(), store.cache.tier.keys()])
+
+
+def shard_meta(store) -> torch.Tensor:
+    return torch.cat(_meta_parts(store)) if store.cache is not None else store.meta[: len(store)]
+
+
+def _meta_parts(store) -> tuple[torch.Tensor, ...]:
+    """The header words of the shard's rows, writable in place: DRAM's, then the tier's."""
+    dram = store.meta[: len(store)]
+    return (dram,) if store.cache is None else (dram, store.cache.tier.meta)
+
+
+def locate(store, ids: torch.Tensor) -> torch.Tensor:
+    """Each id's index in the shard's rows, -1 where it has none."""
+    slots = store.find(ids)
+    if store.cache is None:
+        return slots
+    entries = store.cache.tier.index.find(ids)
+    return torch.where(slots >= 0, slots, torch.where(entries >= 0, entries + len(store), -1))
+
+
+def batch_rows(store, present: torch.Tensor) -> torch.Tensor:
+    """Mask over the shard's rows of those the batch looks up (never evicted for it)."""
+    protected = torch.zeros(shard_rows(store), dtype=torch.bool, device=store.device)
     protected[present[present >= 0]] = True
     return protected
 
 
-def _new_rows(ids: torch.Tensor, present: torch.Tensor) -> int:
+def new_rows(ids: torch.Tensor, present: torch.Tensor) -> int:
     return int(torch.unique(ids[present < 0]).numel()) if ids.numel() else 0

@@ -78,6 +78,12 @@ def decayed(meta: torch.Tensor, factor: float) -> torch.Tensor:
     return with_count(meta, (meta_count(meta).double() * factor).floor().long())
 
 
+def weight_norms(weights: torch.Tensor) -> torch.Tensor:
+    """Each row's weight L2 norm in fp32 (the ``l2`` eviction rule), computed the same way
+    wherever the rows are (DRAM, or leaving for the disk tier)."""
+    return weights.float().contiguous().norm(dim=1)
+
+
 def meta_used(meta: torch.Tensor) -> torch.Tensor:
     return meta < 0  # the used bit is the int64 sign bit
 

@@ -26,7 +26,8 @@ from torchrec_kvzch.table.admission import Admission
 from torchrec_kvzch.table.arrays import GROWTH as _GROWTH, RowArrays, estimated_bytes
 from torchrec_kvzch.table.changes import ChangeLog, ChangeMark
 from torchrec_kvzch.table.disk_cache import DiskCache
-from torchrec_kvzch.table.eviction import Evictor, SharedBudget
+from torchrec_kvzch.table.eviction import Evictor
+from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.history import EVICTED, INSERTED, BucketHistory
 from torchrec_kvzch.table.id_map import IdMap, IdOutOfRange, as_ids
 from torchrec_kvzch.table.initializer import fill_uniform_by_id
@@ -34,8 +35,7 @@ from torchrec_kvzch.table.layout import RowLayout, RowPart, make_meta, meta_used
 from torchrec_kvzch.table.pending import PendingUpdate, PendingUpdates
 
 _MIN_ROWS = 1024
-# Rows of address space mapped per array, so that growth up to it is in place (no copy, no peak
-# of two arrays); only written rows cost memory.
+# Rows of address space mapped per array: growth up to it is in place; only written rows cost memory.
 _RESERVED_ROWS = 1 << 24
 
 
@@ -116,9 +116,9 @@ class RowStore:
             ok = self.admission.admit(ids, (self.find(ids) >= 0) | (self.cache is not None and self.cache.known(ids)))
             ok = None if bool(ok.all()) else ok
         admitted = ids if ok is None else ids[ok]
+        self.evictor.before_insert(admitted)  # over both tiers; its evict is refused under a pending update
         if self.cache is not None:  # the batch's rows on disk come in; the coldest others go out
             self.cache.before_lookup(admitted)
-        self.evictor.before_insert(admitted)  # its evict is refused under a pending update
         if ok is None:
             return self.find_or_insert(admitted)
         return torch.full_like(ids, -1).masked_scatter_(ok, self.find_or_insert(admitted))
@@ -177,11 +177,10 @@ class RowStore:
             self.arrays.release(moves.new_size, before, self.native)
         return before - len(self) + (self.cache.tier.remove(ids) if self.cache is not None and not moved else 0)
 
-    def evict(self, slots: torch.Tensor) -> None:
-        """Delete the rows at ``slots``, counting them as evicted (eviction's way out)."""
+    def evict(self, ids: torch.Tensor) -> None:
+        """Delete the rows of ``ids`` (in either tier), counting them as evicted (eviction's way out)."""
         if self._pending:
             raise self._pending.refuse_eviction(self.params.name)
-        ids = self.keys()[slots].clone()
         self.delete(ids)
         self.history.count(EVICTED, ids)
 
@@ -324,7 +323,8 @@ class RowStore:
     def reserve(self, rows: int, id_map: bool = True) -> None:
         """Make room for ``rows`` rows without further copies; deletes never shrink the arrays
         below it. The row arrays' pages are committed as rows are written, so they cost address
-        space, not memory; the id map's table (``id_map``) is written in full up front."""
+        space, not memory; the id map's table (``id_map``) is written in full up front (at most the cache's rows)."""
+        rows = rows if self.cache is None else min(rows, self.cache.max_rows)
         self._reserved = max(self._reserved, rows)
         if rows > self.capacity:
             self._resize(rows, keep=len(self))

@@ -20,7 +20,9 @@ those of an update announced before the freeze, ``RowStore.expect_update``).
 A store over a disk tier (``disk_cache.py``) is snapshotted whole: the rows on disk sit among
 the others in id order, read at their tier positions. Rows on disk never change in place (a row
 comes into DRAM to change), so a frozen snapshot only needs the tier to keep its positions
-(``DiskTier.hold``) until it is released; a plain one reads by id once rows moved between tiers.
+(``DiskTier.hold``) until it is released, and their header words as they were (the tier keeps
+those in memory, where a decay rewrites them); a plain one reads by id once rows moved between
+tiers.
 """
 
 from __future__ import annotations
@@ -186,12 +188,16 @@ class _Frozen:
         self.copies = store.arrays.empty_like(0)
         self.arrays: RowArrays | None = None  # arrays the store let go of (clear), read in place
         self.meta: torch.Tensor | None = None  # header words by slot, kept before a rewrite of all
+        self.disk_meta: torch.Tensor | None = None  # header words of the rows on disk, by position
+        if positions is not None:
+            disk = positions >= 0
+            self.disk_meta = torch.zeros_like(ids).masked_scatter_(disk, store.cache.stamps(ids[disk]))
         if store.pending_update is not None:  # rows a pending fused update is about to write
             self.preserve(store.pending_update)
 
     @property
     def nbytes(self) -> int:
-        meta = self.meta.numel() * 8 if self.meta is not None else 0
+        meta = sum(m.numel() * 8 for m in (self.meta, self.disk_meta) if m is not None)
         return self.copies.nbytes + self.saved_at.numel() * 4 + meta
 
     def preserve_headers(self) -> None:
@@ -242,7 +248,7 @@ class _Frozen:
         # copied are unchanged; any row changed meanwhile was copied first and is fixed below.
         if self.positions is not None:  # rows on disk at the freeze: at their held positions
             rows = store.cache.read_mixed(slots.clamp(min=0), self.positions[start:end].masked_fill(copied, -1),
-                                          self.ids[start:end], part, out, arrays)
+                                          self.ids[start:end], part, out, arrays, self.disk_meta[start:end])
         else:
             rows = store.read(slots, part, keys=self.ids[start:end], arrays=arrays, out=out)
         with store.lock:

@@ -36,7 +36,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torch import nn
 
 from torchrec_kvzch.params import AdmissionDefault, BucketRange, KVZCHTableParams
-from torchrec_kvzch.table.eviction import SharedBudget
+from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.row_store import RowStore
 
 _PRECISION = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}

@@ -50,7 +50,7 @@ from torchrec_kvzch.torchrec.embedding_kernel import BUDGET_KEY, FUSED_PARAMS_KE
 from torchrec_kvzch.torchrec.pretrained import sharded_with_rows, without_kvzch_weights
 from torchrec_kvzch.torchrec.tables import kvzch_kernels, kvzch_tables
 from torchrec_kvzch.torchrec.validation import BatchChecker
-from torchrec_kvzch.table.eviction import SharedBudget
+from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.layout import RowPart
 
 STORE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value

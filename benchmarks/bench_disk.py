@@ -13,20 +13,29 @@ time over the disk tier's (throughput, disk / DRAM). The tier reads and writes w
 (``o_direct``: true), so its rows never sit in the page cache: the timed steps read the disk,
 and the memory the tier takes is the process's RSS.
 
+Then each process saves its table with DCP (our writer and planner, one rank), drops the saved
+files from the page cache, lets the table go and loads the checkpoint into a new one of the same
+kind (over a fresh tier): ``save_vs_dram_ratio`` and ``load_vs_dram_ratio`` are the disk tier's
+seconds over DRAM's.
+
 Keys: ``disk_over_dram_zipf`` (target >= 0.5), ``disk_over_dram_uniform``, ``hit_rate_<dist>``
 (of the timed batches' existing rows, the share found in DRAM), ``write_amplification_<dist>``
 (bytes the tier wrote per timed step over the bytes of the rows the step changed, its distinct
-ids' whole rows), ``peak_rss_over_cache_budget`` (target <= 1.1: the disk-tier process's peak
-RSS less its fixed overhead, over the cache budget) with the fixed overhead stated apart:
-``fixed_overhead_mib`` (the process before the table, plus the tier's index and the cache's id
-map, whose size grows with the rows, not the cache), ``*_step_ms_<dist>`` the medians.
+ids' whole rows), ``save_vs_dram_ratio``, ``load_vs_dram_ratio``, ``peak_rss_over_cache_budget``
+(target <= 1.1: the disk-tier process's peak RSS while training less its fixed overhead, over
+the cache budget; ``peak_rss_over_cache_budget_checkpoint`` the same over the save and the load)
+with the fixed overhead stated apart: ``fixed_overhead_mib``
+(the process with its ids and batches before the table, plus the tier's index and the cache's
+id map, whose size grows with the rows, not the cache), ``*_step_ms_<dist>`` the medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,53 +79,137 @@ def fill(tbe: TableTBE, universe: torch.Tensor, progress) -> None:
         progress.update(ids.numel())
 
 
-def worker(args) -> dict:
-    """One process: fill the table (in DRAM, or over a disk tier), then time the steps."""
-    process = psutil.Process()
-    base_rss = process.memory_info().rss
-    storage = DiskStorage(args.dir / "tier", cache_bytes=args.cache_mib << 20) if args.worker == "disk" else None
+def table(args, tier: str) -> TableTBE:
+    """The table, empty, with room for ``--rows`` rows: in DRAM, or over a disk tier at ``tier``."""
+    storage = DiskStorage(args.dir / tier, cache_bytes=args.cache_mib << 20) if args.worker == "disk" else None
     p = params(args, storage)
-    out: dict = {}
+    return TableTBE(p, p.bucket_range(0, 1), initial_rows=args.rows)
+
+
+def one_rank() -> None:
+    """A process group of this process alone: DCP and the state dict's entries need one."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def table_state(tbe: TableTBE) -> dict:
+    """The table's DCP state dict (model and optimizer entries), as a model's would hold it."""
+    from torchrec_kvzch.torchrec.state_dict import table_entries
+
+    one_rank()
+    model, optimizer = table_entries(iter([("bench", tbe)]), "", None)
+    return {"model": model, "optim": optimizer}
+
+
+def dcp_save(tbe: TableTBE, path: Path) -> float:
+    """Save with DCP (our writer and planner); then drop the files from the page cache, so a
+    load reads the disk. Returns the seconds the save took."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchrec_kvzch import KVZCHFileSystemWriter, KVZCHSavePlanner
+
+    shutil.rmtree(path, ignore_errors=True)
+    state = table_state(tbe)
+    t0 = time.perf_counter()
+    dcp.save(state, storage_writer=KVZCHFileSystemWriter(str(path), thread_count=2), planner=KVZCHSavePlanner())
+    seconds = time.perf_counter() - t0
+    for f in path.iterdir():  # (written and synced by the writer)
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    return seconds
+
+
+def dcp_load(tbe: TableTBE, path: Path, rows: int) -> float:
+    """Load ``path`` into ``tbe`` (checksums verified), which must then hold ``rows`` rows.
+    Returns the seconds the load took."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchrec_kvzch import KVZCHLoadPlanner
+
+    state = table_state(tbe)
+    t0 = time.perf_counter()
+    dcp.load(state, checkpoint_id=str(path), planner=KVZCHLoadPlanner(checkpoint_id=str(path)))
+    seconds = time.perf_counter() - t0
+    store = tbe.store
+    held = len(store) + (len(store.cache) if store.cache is not None else 0)
+    if held != rows:
+        raise RuntimeError(f"the load of {path} brought back {held} rows of {rows}")
+    return seconds
+
+
+def save_and_load(args, tbe: TableTBE) -> tuple[dict, TableTBE]:
+    """DCP save of ``tbe`` (then dropped), load into a new table of the same kind: (seconds, it)."""
+    path = args.dir / f"ckpt-{args.worker}"
+    save_s = dcp_save(tbe, path)
+    if tbe.store.cache is not None:
+        tbe.store.cache.close()
+    del tbe
+    gc.collect()
+    fresh = table(args, "tier-load")
+    load_s = dcp_load(fresh, path, args.rows)
+    shutil.rmtree(path)
+    return {"save_s": save_s, "load_s": load_s}, fresh
+
+
+def train(args, tbe: TableTBE, steps: dict) -> dict:
+    """Each distribution's steps, each timed; with a tier, its hit rate and write amplification."""
+    store, cache, out = tbe.store, tbe.store.cache, {}
+    offsets = torch.arange(0, args.batch * args.pooling + 1, args.pooling)
+    row_bytes = store.layout.row_width * store.layout.itemsize
+    for dist in DISTS:
+        times, changed, written, hits, misses = [], 0, 0, 0, 0
+        for i, ids in enumerate(steps[dist]):
+            before = cache.counters if cache is not None else None
+            t0 = time.perf_counter()
+            y = tbe(ids, offsets)
+            y.backward(torch.ones_like(y))
+            elapsed = time.perf_counter() - t0
+            if i < args.warmup:
+                continue
+            times.append(elapsed * 1e3)
+            if cache is not None:
+                after = cache.counters
+                written += after["disk_bytes_written"] - before["disk_bytes_written"]
+                hits += after["cache_hits"] - before["cache_hits"]
+                misses += after["cache_misses"] - before["cache_misses"]
+                changed += torch.unique(ids).numel() * row_bytes
+        out[f"step_ms_{dist}"] = statistics.median(times)
+        if cache is not None:
+            out[f"hit_rate_{dist}"] = hits / max(1, hits + misses)
+            out[f"write_amplification_{dist}"] = written / max(1, changed)
+    if cache is not None:
+        out.update(disk_rows=len(cache), dram_rows=len(store), cache_rows=cache.max_rows,
+                   tier_index_mib=cache.tier.nbytes / 2**20, id_map_mib=store.id_map.nbytes / 2**20,
+                   disk_file_gib=cache.tier.disk_bytes / 2**30, disk_bytes_read=cache.tier.bytes_read,
+                   disk_bytes_written=cache.tier.bytes_written)
+    return out
+
+
+def worker(args) -> dict:
+    """One process: the ids and batches, then the table (in DRAM, or over a disk tier) filled,
+    trained, saved and loaded."""
+    gen = torch.Generator().manual_seed(0)
+    universe = torch.randint(0, 2**40, (int(args.rows * 1.01) + 16,), generator=gen).unique()[: args.rows]
+    universe = universe[torch.randperm(universe.numel(), generator=gen)]
+    steps = {dist: [universe[local] for local in batches(args.rows, args.batch, args.pooling, dist,
+                                                         args.warmup + args.steps, seed=7)] for dist in DISTS}
+    gc.collect()
+    base_rss = psutil.Process().memory_info().rss  # the benchmark's data: not the table's
     with RssSampler(0.05) as rss:
-        tbe = TableTBE(p, p.bucket_range(0, 1), initial_rows=args.rows if storage is None else 0)
-        gen = torch.Generator().manual_seed(0)
-        universe = torch.randint(0, 2**40, (int(args.rows * 1.01) + 16,), generator=gen).unique()[: args.rows]
-        universe = universe[torch.randperm(universe.numel(), generator=gen)]
+        tbe = table(args, "tier")
         with tqdm(total=args.rows, desc=f"fill ({args.worker})", unit="row", unit_scale=True, leave=False) as bar:
             fill(tbe, universe, bar)
-        store, cache = tbe.store, tbe.store.cache
-        offsets = torch.arange(0, args.batch * args.pooling + 1, args.pooling)
-        row_bytes = store.layout.row_width * store.layout.itemsize
-        for dist in DISTS:
-            times, changed, written, hits, misses = [], 0, 0, 0, 0
-            for i, local in enumerate(batches(args.rows, args.batch, args.pooling, dist, args.warmup + args.steps,
-                                              seed=7)):
-                ids = universe[local]
-                before = cache.counters if cache is not None else None
-                t0 = time.perf_counter()
-                y = tbe(ids, offsets)
-                y.backward(torch.ones_like(y))
-                elapsed = time.perf_counter() - t0
-                if i < args.warmup:
-                    continue
-                times.append(elapsed * 1e3)
-                if cache is not None:
-                    after = cache.counters
-                    written += after["disk_bytes_written"] - before["disk_bytes_written"]
-                    hits += after["cache_hits"] - before["cache_hits"]
-                    misses += after["cache_misses"] - before["cache_misses"]
-                    changed += torch.unique(ids).numel() * row_bytes
-            out[f"step_ms_{dist}"] = statistics.median(times)
-            if cache is not None:
-                out[f"hit_rate_{dist}"] = hits / max(1, hits + misses)
-                out[f"write_amplification_{dist}"] = written / max(1, changed)
-        if cache is not None:
-            out.update(disk_rows=len(cache), dram_rows=len(store), cache_rows=cache.max_rows,
-                       tier_index_mib=cache.tier.nbytes / 2**20, id_map_mib=store.id_map.nbytes / 2**20,
-                       disk_file_gib=cache.tier.disk_bytes / 2**30, disk_bytes_read=cache.tier.bytes_read,
-                       disk_bytes_written=cache.tier.bytes_written)
-            cache.close()
-    out.update(base_rss_mib=base_rss / 2**20, peak_rss_mib=max(r for _, r in rss.samples) / 2**20)
+        out = train(args, tbe, steps)
+        trained = time.perf_counter() - rss._t0
+        seconds, tbe = save_and_load(args, tbe)
+        out.update(seconds)
+        if tbe.store.cache is not None:
+            tbe.store.cache.close()
+    out.update(base_rss_mib=base_rss / 2**20, train_peak_rss_mib=max(r for t, r in rss.samples if t <= trained) / 2**20,
+               checkpoint_peak_rss_mib=max(r for t, r in rss.samples if t > trained) / 2**20)
     return out
 
 
@@ -178,9 +271,12 @@ def main() -> None:
         results[f"disk_over_dram_{dist}"] = dram[f"step_ms_{dist}"] / disk[f"step_ms_{dist}"]
         results[f"hit_rate_{dist}"] = disk[f"hit_rate_{dist}"]
         results[f"write_amplification_{dist}"] = disk[f"write_amplification_{dist}"]
+    for op in ("save", "load"):
+        results[f"{op}_vs_dram_ratio"] = disk[f"{op}_s"] / dram[f"{op}_s"]
     fixed = disk["base_rss_mib"] + disk["tier_index_mib"] + disk["id_map_mib"]
     results["fixed_overhead_mib"] = fixed
-    results["peak_rss_over_cache_budget"] = (disk["peak_rss_mib"] - fixed) / args.cache_mib
+    results["peak_rss_over_cache_budget"] = (disk["train_peak_rss_mib"] - fixed) / args.cache_mib
+    results["peak_rss_over_cache_budget_checkpoint"] = (disk["checkpoint_peak_rss_mib"] - fixed) / args.cache_mib
     results["load_average_end"] = list(os.getloadavg())
     results["targets"] = {f"disk_over_dram_zipf >= {TARGET_RATIO}": results["disk_over_dram_zipf"] >= TARGET_RATIO,
                           f"peak_rss_over_cache_budget <= {TARGET_RSS}":
@@ -194,8 +290,11 @@ def main() -> None:
         print(f"  {dist:8s} DRAM {dram[f'step_ms_{dist}']:8.1f} ms  disk tier {disk[f'step_ms_{dist}']:8.1f} ms  "
               f"ratio {results[f'disk_over_dram_{dist}']:.3f}  hit rate {results[f'hit_rate_{dist}']:.3f}  "
               f"write amplification {results[f'write_amplification_{dist}']:.2f}")
-    print(f"  peak RSS {disk['peak_rss_mib']:,.0f} MiB: fixed {fixed:,.0f} MiB + "
-          f"{results['peak_rss_over_cache_budget']:.2f} x the cache budget")
+    print(f"  DCP save {disk['save_s']:.1f} s vs {dram['save_s']:.1f} s in DRAM ({results['save_vs_dram_ratio']:.2f}x), "
+          f"load {disk['load_s']:.1f} s vs {dram['load_s']:.1f} s ({results['load_vs_dram_ratio']:.2f}x)")
+    print(f"  peak RSS {disk['train_peak_rss_mib']:,.0f} MiB training, {disk['checkpoint_peak_rss_mib']:,.0f} MiB "
+          f"saving and loading: fixed {fixed:,.0f} MiB + {results['peak_rss_over_cache_budget']:.2f}, "
+          f"{results['peak_rss_over_cache_budget_checkpoint']:.2f} x the cache budget")
     print_targets(results["targets"])
     print(f"wrote {args.json}")
 

@@ -11,7 +11,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec_kvzch import KVZCHTableParams, TableTBE
 from torchrec_kvzch.params import AdmissionPolicy, DiskStorage, EvictionPolicy
 from torchrec_kvzch.table.kv_tensor import KVTensor
-from torchrec_kvzch.table.layout import RowPart
+from torchrec_kvzch.table.layout import RowPart, make_meta
 from torchrec_kvzch.table.snapshot import RowSnapshot
 
 
@@ -194,3 +194,37 @@ def test_the_job_over_disk_tiers_computes_what_it_computes_in_dram_and_reports_t
     assert all(0 < rate < 1 for rate in last["cache_hit_rate"].values())
     _, resumed = train(tmp_path / "disk", "--steps", 12, *small, "--config", config, nproc=1, summary="resumed.json")
     assert resumed["resumed_from"] == 8 and resumed["probe_after_resume"] == disk["probe_final"]
+
+
+def test_room_reserved_up_front_splits_between_the_cache_and_the_tier(tmp_path):
+    """``initial_rows`` (the planner's expected rows) reserves DRAM for the cache's rows only
+    and the tier's index for the rest, so filling the table grows neither; a clear (a load)
+    keeps both."""
+    disk, _ = tables(tmp_path, 2000)
+    tbe = TableTBE(disk, disk.bucket_range(0, 1), initial_rows=10_000)
+    store, tier = tbe.store, tbe.store.cache.tier
+    assert store.capacity == 2000 and tier.index.capacity >= 8000 and tier.position.numel() == 0
+    reserved = (store.id_map.capacity, tier.index.capacity, tier._position.numel(), tier._used.numel())
+    ids = torch.randint(0, 2**40, (9100,), generator=torch.Generator().manual_seed(3)).unique()[:9000]
+    layout = store.layout
+    rows = layout.pack(ids, torch.full_like(ids, make_meta(0, 1, used=True)), torch.rand(ids.numel(), 16),
+                       torch.zeros(ids.numel(), layout.optimizer_floats))
+    assert store.write_rows(rows) == ids.numel() and len(tier) == ids.numel() - len(store)
+    assert (store.capacity, store.id_map.capacity, tier.index.capacity, tier._position.numel(),
+            tier._used.numel()) == (2000, *reserved)
+    store.clear()
+    assert (tier.index.capacity, tier._position.numel()) == reserved[1:3]
+
+
+def test_rows_go_to_disk_in_id_order(tmp_path):
+    """Rows moved out together sit in the file in id order (a checkpoint, reading in id order,
+    then reads runs of units rather than a unit a row)."""
+    disk, _ = tables(tmp_path, 200)
+    tbe = TableTBE(disk, disk.bucket_range(0, 1), num_features=1, pooling=PoolingMode.SUM)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):  # the second batch moves 100 rows out, to fresh units at the file's end
+        ids = torch.randint(0, 2**40, (150,), generator=gen)
+        tbe(ids, torch.arange(151)).sum().backward()
+    tier = tbe.store.cache.tier
+    keys = tier.keys().clone()
+    assert len(tier) == 100 and torch.equal(keys[torch.argsort(tier.position)], torch.sort(keys).values)

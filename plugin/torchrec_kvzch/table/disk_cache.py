@@ -44,6 +44,7 @@ class DiskCache:
         self.moved_out = self.moved_in = 0
         self.hits = self.misses = 0  # a training batch's existing rows found in DRAM, or brought from disk
         self.writing = False  # inside ``write``: the store writes to DRAM
+        self.reserved = 0  # rows the tier's index has room for (``reserve``)
 
     def __len__(self) -> int:
         """Rows on disk."""
@@ -53,6 +54,19 @@ class DiskCache:
     def counters(self) -> dict[str, int]:
         return {"disk_rows": len(self.tier), "disk_bytes_read": self.tier.bytes_read,
                 "disk_bytes_written": self.tier.bytes_written, "cache_hits": self.hits, "cache_misses": self.misses}
+
+    def reserve(self, rows: int, index: bool) -> int:
+        """The store reserves room for ``rows`` rows: the tier's part beyond the cache (with
+        ``index``: the store reserves its id map too); returns the rows DRAM may hold."""
+        if index:
+            self.reserved = max(self.reserved, rows - self.max_rows)
+            self.tier.reserve(self.reserved)
+        return min(rows, self.max_rows)
+
+    def clear(self) -> None:
+        """Every row on disk goes (a load starts so); the reservation stays."""
+        self.tier.remove(self.tier.keys().clone())
+        self.tier.reserve(self.reserved)
 
     def known(self, ids: torch.Tensor) -> torch.Tensor:
         """Whether each id has a row on disk."""
@@ -106,7 +120,10 @@ class DiskCache:
         kept = store.find(keep)
         stamps[kept[kept >= 0]] = torch.iinfo(stamps.dtype).max
         slots = torch.topk(stamps, n, largest=False, sorted=False).indices
-        keys = store.keys()[slots].clone()
+        # In id order: the tier places them so, neighbours in units, which a checkpoint (reading
+        # in id order) then reads a run of units at a time instead of a unit per row.
+        keys, order = torch.sort(store.keys()[slots])
+        slots = slots[order]
         rows = store.read(slots, RowPart.ROW).contiguous()
         norms = weight_norms(self.layout.unpack(rows)[2]) if self.tier.keep_norms else None
         self.tier.put(keys, rows.view(torch.uint8).view(n, -1), norms=norms)

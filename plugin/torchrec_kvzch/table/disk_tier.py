@@ -155,6 +155,18 @@ class DiskTier:
                                        for t in (self._position, self._meta, self._norm, self._used,
                                                  self._unit_rows, self._free_units))
 
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows in the index (written up front) and the per-entry and
+        per-position arrays, so that filling the tier to it copies none of them."""
+        if rows <= 0:
+            return
+        self.index.reserve(rows)
+        self._position, self._meta = _room(self._position, rows), _room(self._meta, rows)
+        if self.keep_norms:
+            self._norm = _room(self._norm, rows)
+        units = -(-int(rows * SLACK) // self.per_unit) + 1
+        self._used, self._unit_rows = _room(self._used, units * self.per_unit), _room(self._unit_rows, units)
+
     # -- rows in and out ------------------------------------------------------------------------
     def put(self, ids: torch.Tensor, rows: torch.Tensor, meta: torch.Tensor | None = None,
             norms: torch.Tensor | None = None) -> None:
@@ -263,8 +275,8 @@ class DiskTier:
 
     # -- internals ------------------------------------------------------------------------------
     def _place(self, n: int) -> tuple[torch.Tensor, int, int]:
-        """Positions for ``n`` rows: (positions, free units taken from the stack's top, new units
-        at the file's end). Nothing changes until the caller commits."""
+        """Ascending positions for ``n`` rows: (positions, free units taken from the stack's top,
+        new units at the file's end). Nothing changes until the caller commits."""
         out = []
         if self.units * self.per_unit + n > SLACK * (len(self) + n) and self._holes():
             holes = torch.nonzero(~self.used & (self.unit_rows > 0).repeat_interleave(self.per_unit)).view(-1)
@@ -272,7 +284,7 @@ class DiskTier:
             n -= out[-1].numel()
         taken = min(self._free_units.numel(), -(-n // self.per_unit))
         if taken:
-            units = self._free_units[self._free_units.numel() - taken:].flip(0)
+            units = torch.sort(self._free_units[self._free_units.numel() - taken:]).values  # (runs, where adjacent)
             out.append((units[:, None] * self.per_unit + torch.arange(self.per_unit)).view(-1)[:n])
             n -= out[-1].numel()
         new_units = -(-n // self.per_unit)

@@ -323,8 +323,8 @@ class RowStore:
     def reserve(self, rows: int, id_map: bool = True) -> None:
         """Make room for ``rows`` rows without further copies; deletes never shrink the arrays
         below it. The row arrays' pages are committed as rows are written, so they cost address
-        space, not memory; the id map's table (``id_map``) is written in full up front (at most the cache's rows)."""
-        rows = rows if self.cache is None else min(rows, self.cache.max_rows)
+        space, not memory; the id map's table (``id_map``) is written in full up front (a disk tier's: its own)."""
+        rows = rows if self.cache is None else self.cache.reserve(rows, id_map)
         self._reserved = max(self._reserved, rows)
         if rows > self.capacity:
             self._resize(rows, keep=len(self))
@@ -339,7 +339,7 @@ class RowStore:
             self._frozen = ()
             self.id_map.clear()
             if self.cache is not None:  # the rows on disk too
-                self.cache.tier.remove(self.cache.tier.keys().clone())
+                self.cache.clear()
             self.id_map.reserve(self._reserved_map)
             self.changes.changed_untracked()
             self.epoch += 1

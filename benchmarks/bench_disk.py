@@ -13,17 +13,20 @@ time over the disk tier's (throughput, disk / DRAM). The tier reads and writes w
 (``o_direct``: true), so its rows never sit in the page cache: the timed steps read the disk,
 and the memory the tier takes is the process's RSS.
 
-Then each process saves its table with DCP (our writer and planner, one rank), drops the saved
-files from the page cache, lets the table go and loads the checkpoint into a new one of the same
-kind (over a fresh tier): ``save_vs_dram_ratio`` and ``load_vs_dram_ratio`` are the disk tier's
-seconds over DRAM's.
+After training, each of the two saves its table with DCP (our writer and planner, one rank),
+drops the saved files from the page cache, lets the table go and loads the checkpoint into a new
+one of the same kind (over a fresh tier): ``save_vs_dram_ratio`` and ``load_vs_dram_ratio`` are
+the disk tier's seconds over DRAM's. A third process trains over a disk tier whose cache keeps
+the most often used rows (``DiskStorage(policy="lfu")``; the default, and the keys without a
+suffix, keep the most recent): the same keys with ``_lfu``.
 
 Keys: ``disk_over_dram_zipf`` (target >= 0.5), ``disk_over_dram_uniform``, ``hit_rate_<dist>``
 (of the timed batches' existing rows, the share found in DRAM), ``write_amplification_<dist>``
 (bytes the tier wrote per timed step over the bytes of the rows the step changed, its distinct
 ids' whole rows), ``save_vs_dram_ratio``, ``load_vs_dram_ratio``, ``peak_rss_over_cache_budget``
 (target <= 1.1: the disk-tier process's peak RSS while training less its fixed overhead, over
-the cache budget; ``peak_rss_over_cache_budget_checkpoint`` the same over the save and the load)
+the cache budget; ``peak_rss_over_cache_budget_checkpoint`` the same over the save and the load,
+less also the save's index of the rows, ``snapshot_index_mib``)
 with the fixed overhead stated apart: ``fixed_overhead_mib``
 (the process with its ids and batches before the table, plus the tier's index and the cache's
 id map, whose size grows with the rows, not the cache), ``*_step_ms_<dist>`` the medians.
@@ -58,6 +61,7 @@ from torchrec_kvzch.table.tbe import TableTBE
 HERE = Path(__file__).resolve().parent
 DISTS = ("zipf", "uniform")
 TARGET_RATIO, TARGET_RSS = 0.5, 1.1
+SNAPSHOT_BYTES = 24  # a save's index of a disk-tier table's rows, per row: ids, DRAM slots, tier positions
 FILL_ROWS = 1 << 16  # rows written at a time when the table is filled (their temporaries count in the peak RSS)
 
 
@@ -81,7 +85,8 @@ def fill(tbe: TableTBE, universe: torch.Tensor, progress) -> None:
 
 def table(args, tier: str) -> TableTBE:
     """The table, empty, with room for ``--rows`` rows: in DRAM, or over a disk tier at ``tier``."""
-    storage = DiskStorage(args.dir / tier, cache_bytes=args.cache_mib << 20) if args.worker == "disk" else None
+    storage = (DiskStorage(args.dir / tier, cache_bytes=args.cache_mib << 20, policy=args.policy)
+               if args.worker == "disk" else None)
     p = params(args, storage)
     return TableTBE(p, p.bucket_range(0, 1), initial_rows=args.rows)
 
@@ -204,19 +209,21 @@ def worker(args) -> dict:
             fill(tbe, universe, bar)
         out = train(args, tbe, steps)
         trained = time.perf_counter() - rss._t0
-        seconds, tbe = save_and_load(args, tbe)
-        out.update(seconds)
+        if not args.no_checkpoint:
+            seconds, tbe = save_and_load(args, tbe)
+            out.update(seconds)
         if tbe.store.cache is not None:
             tbe.store.cache.close()
     out.update(base_rss_mib=base_rss / 2**20, train_peak_rss_mib=max(r for t, r in rss.samples if t <= trained) / 2**20,
-               checkpoint_peak_rss_mib=max(r for t, r in rss.samples if t > trained) / 2**20)
+               checkpoint_peak_rss_mib=max([r for t, r in rss.samples if t > trained], default=0) / 2**20)
     return out
 
 
-def in_fresh_process(args, mode: str) -> dict:
+def in_fresh_process(args, mode: str, policy: str = "lru", checkpoint: bool = True) -> dict:
     cmd = [sys.executable, __file__, "--json", "-", "--worker", mode, "--rows", str(args.rows), "--dim", str(args.dim),
            "--batch", str(args.batch), "--pooling", str(args.pooling), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--cache-mib", str(args.cache_mib), "--dir", str(args.dir)]
+           "--warmup", str(args.warmup), "--cache-mib", str(args.cache_mib), "--dir", str(args.dir),
+           "--policy", policy, *([] if checkpoint else ["--no-checkpoint"])]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if done.returncode:
         raise RuntimeError(f"the {mode} worker failed ({done.returncode}); its output is above")
@@ -229,14 +236,26 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
-    left.bar(DISTS, [results[f"disk_over_dram_{d}"] for d in DISTS], color="tab:blue")
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(13, 3.8))
+    x, width = range(len(DISTS)), 0.38
+    for i, (suffix, label) in enumerate((("", "lru cache"), ("_lfu", "lfu cache"))):
+        at = [p + (i - 0.5) * width for p in x]
+        left.bar(at, [results[f"disk_over_dram_{d}{suffix}"] for d in DISTS], width, label=label)
+        middle.bar(at, [results[f"hit_rate_{d}{suffix}"] for d in DISTS], width, label=label)
     left.axhline(TARGET_RATIO, color="k", ls="--", lw=1, label=f"target {TARGET_RATIO} (zipf)")
-    left.set(ylabel="training steps/s, disk tier / DRAM", title=f"{results['rows'] / 1e6:.0f}M rows, "
-             f"{results['cache_mib']} MiB cache")
-    left.legend(fontsize=8)
-    right.bar(DISTS, [results[f"hit_rate_{d}"] for d in DISTS], color="tab:green")
-    right.set(ylabel="cache hit rate", ylim=(0, 1), title=f"batch {results['batch']} x {results['pooling']}")
+    left.set(xticks=list(x), xticklabels=DISTS, ylabel="training steps/s, disk tier / DRAM",
+             title=f"{results['rows'] / 1e6:g}M rows, {results['cache_mib']} MiB cache")
+    middle.set(xticks=list(x), xticklabels=DISTS, ylabel="cache hit rate", ylim=(0, 1),
+               title=f"batch {results['batch']} x {results['pooling']}")
+    for axes in (left, middle):
+        axes.legend(fontsize=8)
+    ops = ("save", "load")
+    for i, (name, label) in enumerate((("dram", "DRAM"), ("disk", "disk tier"))):
+        right.bar([p + (i - 0.5) * width for p in range(len(ops))], [results[name][f"{op}_s"] for op in ops], width,
+                  label=label)
+    right.set(xticks=list(range(len(ops))), xticklabels=[f"DCP {op}" for op in ops], ylabel="seconds",
+              title="checkpoint of the table")
+    right.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -255,6 +274,8 @@ def main() -> None:
     parser.add_argument("--cache-mib", type=int, default=2048)
     parser.add_argument("--dir", type=Path, default=HERE.parent / ".disk_bench", help="a directory on local disk")
     parser.add_argument("--worker", choices=["dram", "disk"], help=argparse.SUPPRESS)
+    parser.add_argument("--policy", default="lru", help=argparse.SUPPRESS)
+    parser.add_argument("--no-checkpoint", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         fixed_mmap_threshold()  # freed temporaries go back to the OS: RSS is what is in use
@@ -266,17 +287,21 @@ def main() -> None:
                      "table_gib": args.rows * layout.stored_bytes / 2**30, "load_average": list(os.getloadavg())}
     dram = in_fresh_process(args, "dram")
     disk = in_fresh_process(args, "disk")
-    results.update(dram=dram, disk=disk)  # each process's figures
+    lfu = in_fresh_process(args, "disk", policy="lfu", checkpoint=False)
+    results.update(dram=dram, disk=disk, disk_lfu=lfu)  # each process's figures
     for dist in DISTS:
-        results[f"disk_over_dram_{dist}"] = dram[f"step_ms_{dist}"] / disk[f"step_ms_{dist}"]
-        results[f"hit_rate_{dist}"] = disk[f"hit_rate_{dist}"]
-        results[f"write_amplification_{dist}"] = disk[f"write_amplification_{dist}"]
+        for suffix, tier in (("", disk), ("_lfu", lfu)):
+            results[f"disk_over_dram_{dist}{suffix}"] = dram[f"step_ms_{dist}"] / tier[f"step_ms_{dist}"]
+            results[f"hit_rate_{dist}{suffix}"] = tier[f"hit_rate_{dist}"]
+            results[f"write_amplification_{dist}{suffix}"] = tier[f"write_amplification_{dist}"]
     for op in ("save", "load"):
         results[f"{op}_vs_dram_ratio"] = disk[f"{op}_s"] / dram[f"{op}_s"]
     fixed = disk["base_rss_mib"] + disk["tier_index_mib"] + disk["id_map_mib"]
     results["fixed_overhead_mib"] = fixed
     results["peak_rss_over_cache_budget"] = (disk["train_peak_rss_mib"] - fixed) / args.cache_mib
-    results["peak_rss_over_cache_budget_checkpoint"] = (disk["checkpoint_peak_rss_mib"] - fixed) / args.cache_mib
+    results["snapshot_index_mib"] = args.rows * SNAPSHOT_BYTES / 2**20  # held by the save, as the index by training
+    results["peak_rss_over_cache_budget_checkpoint"] = ((disk["checkpoint_peak_rss_mib"] - fixed - results["snapshot_index_mib"])
+                                                        / args.cache_mib)
     results["load_average_end"] = list(os.getloadavg())
     results["targets"] = {f"disk_over_dram_zipf >= {TARGET_RATIO}": results["disk_over_dram_zipf"] >= TARGET_RATIO,
                           f"peak_rss_over_cache_budget <= {TARGET_RSS}":
@@ -289,7 +314,8 @@ def main() -> None:
     for dist in DISTS:
         print(f"  {dist:8s} DRAM {dram[f'step_ms_{dist}']:8.1f} ms  disk tier {disk[f'step_ms_{dist}']:8.1f} ms  "
               f"ratio {results[f'disk_over_dram_{dist}']:.3f}  hit rate {results[f'hit_rate_{dist}']:.3f}  "
-              f"write amplification {results[f'write_amplification_{dist}']:.2f}")
+              f"write amplification {results[f'write_amplification_{dist}']:.2f}; with an lfu cache: ratio "
+              f"{results[f'disk_over_dram_{dist}_lfu']:.3f}, hit rate {results[f'hit_rate_{dist}_lfu']:.3f}")
     print(f"  DCP save {disk['save_s']:.1f} s vs {dram['save_s']:.1f} s in DRAM ({results['save_vs_dram_ratio']:.2f}x), "
           f"load {disk['load_s']:.1f} s vs {dram['load_s']:.1f} s ({results['load_vs_dram_ratio']:.2f}x)")
     print(f"  peak RSS {disk['train_peak_rss_mib']:,.0f} MiB training, {disk['checkpoint_peak_rss_mib']:,.0f} MiB "

@@ -9,7 +9,7 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
 from torchrec_kvzch import KVZCHTableParams, TableTBE
-from torchrec_kvzch.params import AdmissionPolicy, DiskStorage, EvictionPolicy
+from torchrec_kvzch.params import AdmissionPolicy, CachePolicy, DiskStorage
 from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.table.layout import RowPart, make_meta
 from torchrec_kvzch.table.snapshot import RowSnapshot
@@ -228,3 +228,33 @@ def test_rows_go_to_disk_in_id_order(tmp_path):
     tier = tbe.store.cache.tier
     keys = tier.keys().clone()
     assert len(tier) == 100 and torch.equal(keys[torch.argsort(tier.position)], torch.sort(keys).values)
+
+
+def test_an_lfu_cache_keeps_rows_looked_up_often_where_lru_lets_them_go(tmp_path):
+    """Ids looked up every third step among a stream of new ones: an ``lru`` cache moves them
+    out on the steps between (the new rows are more recent), an ``lfu`` one keeps them (their
+    counts are higher). Either way training is training in DRAM, bit for bit."""
+    hot = torch.arange(40) * 2**30
+    hits = {}
+    for policy in ("lru", "lfu"):
+        disk, dram = tables(tmp_path / policy, 150)
+        disk = dataclasses.replace(disk, storage=dataclasses.replace(disk.storage, policy=policy))
+        ours = TableTBE(disk, disk.bucket_range(0, 1), num_features=1, pooling=PoolingMode.SUM)
+        ref = TableTBE(dram, dram.bucket_range(0, 1), num_features=1, pooling=PoolingMode.SUM)
+        for i in range(12):
+            new = torch.arange(100 * i, 100 * i + 90) * 2**20 + 1
+            ids = torch.cat([hot, new[:50]]) if i % 3 == 0 else new
+            out, want = ours(ids, torch.arange(ids.numel() + 1)), ref(ids, torch.arange(ids.numel() + 1))
+            assert torch.equal(out, want)
+            out.sum().backward()
+            want.sum().backward()
+        hits[policy] = ours.store.cache.hits
+        assert ours.store.cache.policy.value == policy
+    assert hits["lfu"] >= hits["lru"] + 2 * 40  # from the second return on, every hot row is a hit
+    with pytest.raises(ValueError, match="storage policy 'lfru' is unknown; did you mean 'lru'"):
+        KVZCHTableParams("t", 16, storage=DiskStorage(tmp_path, cache_bytes=1 << 20, policy="lfru"))
+    from torchrec_kvzch.job import config_path
+    from torchrec_kvzch.torchrec.config import load_config
+    config = tmp_path / "lfu.yaml"  # and in a YAML config's storage block
+    config.write_text(config_path("disk").read_text().replace("cache_bytes: 2^21}", "cache_bytes: 2^21, policy: LFU}"))
+    assert load_config(config).tables[0].kvzch.storage.policy is CachePolicy.LFU

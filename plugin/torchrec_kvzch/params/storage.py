@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import os
 from dataclasses import dataclass
 
-from torchrec_kvzch.params.checks import positive_int
+from torchrec_kvzch.params.checks import member, positive_int
+
+
+class CachePolicy(str, enum.Enum):
+    """Which rows leave a disk tier's DRAM cache first, by their headers."""
+
+    LRU = "lru"  # the least recently looked up
+    LFU = "lfu"  # the least often looked up, then the least recently
 
 
 @dataclass(frozen=True)
@@ -14,12 +23,15 @@ class DiskStorage:
     on local disk, this job's alone (each shard takes ``<path>/<table>/buckets-<start>-<end>``);
     ``cache_bytes``: the DRAM the table's rows may take, over all its shards (each shard gets
     its buckets' share, as a table budget is split); or ``shard_cache_bytes``, the DRAM of each
-    shard (as TorchRec's ``KeyValueParams.l2_cache_size`` sizes a rank's cache). The default,
-    no path, keeps every row in DRAM."""
+    shard (as TorchRec's ``KeyValueParams.l2_cache_size`` sizes a rank's cache). ``policy``:
+    which rows go to disk first (``CachePolicy``; ``lfu`` keeps the rows of a steady skewed
+    distribution better, ``lru`` follows a drifting one). The default, no path, keeps every row
+    in DRAM."""
 
     path: str | os.PathLike | None = None
     cache_bytes: int | None = None
     shard_cache_bytes: int | None = None
+    policy: CachePolicy | str = CachePolicy.LRU
 
     @property
     def enabled(self) -> bool:
@@ -50,4 +62,5 @@ class DiskStorage:
         if not positive_int(value):
             fail(f"{name} must be a positive integer, got {value!r}",
                  "give the DRAM the table's cached rows may take, e.g. 2 << 30")
-        return self
+        policy = member(CachePolicy, self.policy, "policy", lambda problem: fail(problem, "e.g. policy='lfu'"))
+        return dataclasses.replace(self, policy=policy)

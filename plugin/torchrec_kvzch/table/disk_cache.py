@@ -2,7 +2,8 @@
 
 The logical table is the rows in DRAM and the rows on disk (``disk_tier.py``), each id in one of
 them. Before a training lookup, the batch's rows on disk come into DRAM (``before_lookup``);
-room is made first by moving the least recently used other rows out to disk, so that DRAM holds
+room is made first by moving the other rows the cache's policy ranks lowest (least recently or,
+with ``lfu``, least often looked up) out to disk, so that DRAM holds
 at most ``max_rows`` rows (the shard's share of ``cache_bytes``) and every row of the batch, and
 fbgemm's TBE binds to the DRAM rows as it does without a tier. Moving a row between the tiers
 changes nothing a model or a checkpoint sees: its bytes (header, weights, optimizer state) move
@@ -17,10 +18,10 @@ from pathlib import Path
 import torch
 
 from torchrec_kvzch.params import EvictionKind
-from torchrec_kvzch.params.storage import DiskStorage
+from torchrec_kvzch.params.storage import CachePolicy, DiskStorage
 from torchrec_kvzch.table.disk_tier import DiskTier
 from torchrec_kvzch.table.id_map import as_ids
-from torchrec_kvzch.table.layout import RowPart, meta_timestamp, weight_norms
+from torchrec_kvzch.table.layout import RowPart, meta_count_then_timestamp, meta_timestamp, weight_norms
 
 
 class DiskCache:
@@ -37,6 +38,7 @@ class DiskCache:
             raise ValueError(f"KV-ZCH table '{params.name}': storage {storage} leaves the shard of buckets "
                              f"[{r.start}, {r.end}) less than one row ({layout.stored_bytes} bytes); raise it")
         self.store, self.layout = store, layout
+        self.policy = CachePolicy(storage.policy)
         self.tier = DiskTier(Path(storage.path) / params.name / f"buckets-{r.start}-{r.end}",
                              layout.row_width * layout.itemsize, params.name,
                              meta_at=layout.width_offset(RowPart.META) * layout.itemsize,
@@ -114,9 +116,11 @@ class DiskCache:
         return written
 
     def _move_out(self, n: int, keep: torch.Tensor) -> None:
-        """The ``n`` least recently used rows not in ``keep`` go to disk."""
+        """The ``n`` rows not in ``keep`` that the policy ranks lowest go to disk."""
         store = self.store
-        stamps = meta_timestamp(store.meta[: len(store)])  # (a new tensor: marked freely below)
+        meta = store.meta[: len(store)]
+        # (new tensors either way: marked freely below)
+        stamps = meta_timestamp(meta) if self.policy is CachePolicy.LRU else meta_count_then_timestamp(meta)
         kept = store.find(keep)
         stamps[kept[kept >= 0]] = torch.iinfo(stamps.dtype).max
         slots = torch.topk(stamps, n, largest=False, sorted=False).indices
@@ -154,9 +158,9 @@ class DiskCache:
         n, tier = dram_keys.numel(), self.tier
         ids, order = torch.sort(torch.cat([dram_keys, tier.keys()]), stable=True)
         on_disk = order >= n
-        positions = torch.where(on_disk, tier.position[(order - n).clamp(min=0, max=max(len(tier) - 1, 0))]
-                                if len(tier) else order, -1)
-        return ids, order.masked_fill(on_disk, -1), positions
+        positions = torch.full_like(order, -1)  # (in place from here: a save holds these for its whole run)
+        positions[on_disk] = tier.position[order[on_disk].sub_(n)]
+        return ids, order.masked_fill_(on_disk, -1), positions
 
     def stamps(self, ids: torch.Tensor) -> torch.Tensor:
         """The header words of ``ids`` (rows on disk) now."""

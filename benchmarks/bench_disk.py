@@ -6,9 +6,10 @@
 One table of ``--rows`` (16M) ids drawn from 2^40, 128 fp32 with rowwise Adagrad (8.5 GB of rows),
 filled with the same rows (their id-seeded initial weights) in two fresh processes, one after
 the other: in DRAM, and over a disk tier (``--dir``) with a ``--cache-mib`` (2 GiB) DRAM cache.
-Each trains ``--warmup`` then ``--steps`` steps (forward, backward and the fused update) of
-batch 8192 x pooling 20, Zipf(1.05) ids then uniform ones (``bench_lookup``'s batches: the same
-in both), each step timed on its own. ``disk_over_dram_<dist>``: the DRAM table's median step
+Each trains ``--zipf-warmup`` (100: the cache's rows are then the batches' own, not the fill's)
+then ``--steps`` steps (forward, backward and the fused update) of batch 8192 x pooling 20 of
+Zipf(1.05) ids, then ``--warmup`` and ``--steps`` of uniform ones (``bench_lookup``'s batches:
+the same in both), each step timed on its own. ``disk_over_dram_<dist>``: the DRAM table's median step
 time over the disk tier's (throughput, disk / DRAM). The tier reads and writes with ``O_DIRECT``
 (``o_direct``: true), so its rows never sit in the page cache: the timed steps read the disk,
 and the memory the tier takes is the process's RSS.
@@ -108,6 +109,12 @@ def table_state(tbe: TableTBE) -> dict:
     return {"model": model, "optim": optimizer}
 
 
+def close(tbe: TableTBE) -> None:
+    """Let a disk tier's file go (a DRAM table has none)."""
+    if tbe.store.cache is not None:
+        tbe.store.cache.close()
+
+
 def dcp_save(tbe: TableTBE, path: Path) -> float:
     """Save with DCP (our writer and planner); then drop the files from the page cache, so a
     load reads the disk. Returns the seconds the save took."""
@@ -145,18 +152,9 @@ def dcp_load(tbe: TableTBE, path: Path, rows: int) -> float:
     return seconds
 
 
-def save_and_load(args, tbe: TableTBE) -> tuple[dict, TableTBE]:
-    """DCP save of ``tbe`` (then dropped), load into a new table of the same kind: (seconds, it)."""
-    path = args.dir / f"ckpt-{args.worker}"
-    save_s = dcp_save(tbe, path)
-    if tbe.store.cache is not None:
-        tbe.store.cache.close()
-    del tbe
-    gc.collect()
-    fresh = table(args, "tier-load")
-    load_s = dcp_load(fresh, path, args.rows)
-    shutil.rmtree(path)
-    return {"save_s": save_s, "load_s": load_s}, fresh
+def warmup(args, dist: str) -> int:
+    """Untimed steps before a distribution's timed ones."""
+    return args.zipf_warmup if dist == "zipf" else args.warmup
 
 
 def train(args, tbe: TableTBE, steps: dict) -> dict:
@@ -172,7 +170,7 @@ def train(args, tbe: TableTBE, steps: dict) -> dict:
             y = tbe(ids, offsets)
             y.backward(torch.ones_like(y))
             elapsed = time.perf_counter() - t0
-            if i < args.warmup:
+            if i < warmup(args, dist):
                 continue
             times.append(elapsed * 1e3)
             if cache is not None:
@@ -200,7 +198,7 @@ def worker(args) -> dict:
     universe = torch.randint(0, 2**40, (int(args.rows * 1.01) + 16,), generator=gen).unique()[: args.rows]
     universe = universe[torch.randperm(universe.numel(), generator=gen)]
     steps = {dist: [universe[local] for local in batches(args.rows, args.batch, args.pooling, dist,
-                                                         args.warmup + args.steps, seed=7)] for dist in DISTS}
+                                                         warmup(args, dist) + args.steps, seed=7)] for dist in DISTS}
     gc.collect()
     base_rss = psutil.Process().memory_info().rss  # the benchmark's data: not the table's
     with RssSampler(0.05) as rss:
@@ -209,11 +207,16 @@ def worker(args) -> dict:
             fill(tbe, universe, bar)
         out = train(args, tbe, steps)
         trained = time.perf_counter() - rss._t0
-        if not args.no_checkpoint:
-            seconds, tbe = save_and_load(args, tbe)
-            out.update(seconds)
-        if tbe.store.cache is not None:
-            tbe.store.cache.close()
+        if not args.no_checkpoint:  # saved, dropped, loaded into a new table of its kind
+            path = args.dir / f"ckpt-{args.worker}"
+            out["save_s"] = dcp_save(tbe, path)
+            close(tbe)
+            del tbe
+            gc.collect()
+            tbe = table(args, "tier-load")
+            out["load_s"] = dcp_load(tbe, path, args.rows)
+            shutil.rmtree(path)
+        close(tbe)
     out.update(base_rss_mib=base_rss / 2**20, train_peak_rss_mib=max(r for t, r in rss.samples if t <= trained) / 2**20,
                checkpoint_peak_rss_mib=max([r for t, r in rss.samples if t > trained], default=0) / 2**20)
     return out
@@ -222,7 +225,7 @@ def worker(args) -> dict:
 def in_fresh_process(args, mode: str, policy: str = "lru", checkpoint: bool = True) -> dict:
     cmd = [sys.executable, __file__, "--json", "-", "--worker", mode, "--rows", str(args.rows), "--dim", str(args.dim),
            "--batch", str(args.batch), "--pooling", str(args.pooling), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--cache-mib", str(args.cache_mib), "--dir", str(args.dir),
+           "--warmup", str(args.warmup), "--zipf-warmup", str(args.zipf_warmup), "--cache-mib", str(args.cache_mib), "--dir", str(args.dir),
            "--policy", policy, *([] if checkpoint else ["--no-checkpoint"])]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if done.returncode:
@@ -271,6 +274,7 @@ def main() -> None:
     parser.add_argument("--pooling", type=int, default=20)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--zipf-warmup", type=int, default=100)
     parser.add_argument("--cache-mib", type=int, default=2048)
     parser.add_argument("--dir", type=Path, default=HERE.parent / ".disk_bench", help="a directory on local disk")
     parser.add_argument("--worker", choices=["dram", "disk"], help=argparse.SUPPRESS)

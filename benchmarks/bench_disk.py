@@ -1,7 +1,7 @@
 """Training over a disk tier against the same table in DRAM (issue 32; docs/disk.md).
 
     python benchmarks/bench_disk.py --json results/bench_disk.json          # and results/bench_disk.png
-    python benchmarks/bench_disk.py --json /tmp/disk.json --rows 1000000 --cache-mib 64 --steps 5   # a quick check
+    python benchmarks/bench_disk.py --json /tmp/disk.json --rows 1000000 --cache-mib 128 --steps 5 --zipf-warmup 5   # a quick check
 
 One table of ``--rows`` (16M) ids drawn from 2^40, 128 fp32 with rowwise Adagrad (8.5 GB of rows),
 filled with the same rows (their id-seeded initial weights) in two fresh processes, one after
@@ -24,7 +24,10 @@ suffix, keep the most recent): the same keys with ``_lfu``.
 Keys: ``disk_over_dram_zipf`` (target >= 0.5), ``disk_over_dram_uniform``, ``hit_rate_<dist>``
 (of the timed batches' existing rows, the share found in DRAM), ``write_amplification_<dist>``
 (bytes the tier wrote per timed step over the bytes of the rows the step changed, its distinct
-ids' whole rows), ``save_vs_dram_ratio``, ``load_vs_dram_ratio``, ``peak_rss_over_cache_budget``
+ids' whole rows), ``rows_read_per_s_<dist>`` (the disk's rate: rows brought in over the seconds their reads
+took), ``read_bound_<dist>`` (the DRAM step over the disk tier's median read time per step: the
+most ``disk_over_dram_<dist>`` could be were everything but the reads free),
+``save_vs_dram_ratio``, ``load_vs_dram_ratio``, ``peak_rss_over_cache_budget``
 (target <= 1.1: the disk-tier process's peak RSS while training less its fixed overhead, over
 the cache budget; ``peak_rss_over_cache_budget_checkpoint`` the same over the save and the load,
 less also the save's index of the rows, ``snapshot_index_mib``)
@@ -163,9 +166,10 @@ def train(args, tbe: TableTBE, steps: dict) -> dict:
     offsets = torch.arange(0, args.batch * args.pooling + 1, args.pooling)
     row_bytes = store.layout.row_width * store.layout.itemsize
     for dist in DISTS:
-        times, changed, written, hits, misses = [], 0, 0, 0, 0
+        times, reads, changed, written, hits, misses = [], [], 0, 0, 0, 0
         for i, ids in enumerate(steps[dist]):
             before = cache.counters if cache is not None else None
+            read_s = cache.tier.read_seconds if cache is not None else 0.0
             t0 = time.perf_counter()
             y = tbe(ids, offsets)
             y.backward(torch.ones_like(y))
@@ -175,6 +179,7 @@ def train(args, tbe: TableTBE, steps: dict) -> dict:
             times.append(elapsed * 1e3)
             if cache is not None:
                 after = cache.counters
+                reads.append((cache.tier.read_seconds - read_s) * 1e3)
                 written += after["disk_bytes_written"] - before["disk_bytes_written"]
                 hits += after["cache_hits"] - before["cache_hits"]
                 misses += after["cache_misses"] - before["cache_misses"]
@@ -182,6 +187,8 @@ def train(args, tbe: TableTBE, steps: dict) -> dict:
         out[f"step_ms_{dist}"] = statistics.median(times)
         if cache is not None:
             out[f"hit_rate_{dist}"] = hits / max(1, hits + misses)
+            out[f"read_ms_{dist}"] = statistics.median(reads)
+            out[f"rows_read_per_s_{dist}"] = misses / max(1e-9, sum(reads) / 1e3)
             out[f"write_amplification_{dist}"] = written / max(1, changed)
     if cache is not None:
         out.update(disk_rows=len(cache), dram_rows=len(store), cache_rows=cache.max_rows,
@@ -298,6 +305,8 @@ def main() -> None:
             results[f"disk_over_dram_{dist}{suffix}"] = dram[f"step_ms_{dist}"] / tier[f"step_ms_{dist}"]
             results[f"hit_rate_{dist}{suffix}"] = tier[f"hit_rate_{dist}"]
             results[f"write_amplification_{dist}{suffix}"] = tier[f"write_amplification_{dist}"]
+        results[f"rows_read_per_s_{dist}"] = disk[f"rows_read_per_s_{dist}"]
+        results[f"read_bound_{dist}"] = dram[f"step_ms_{dist}"] / max(disk[f"read_ms_{dist}"], dram[f"step_ms_{dist}"])
     for op in ("save", "load"):
         results[f"{op}_vs_dram_ratio"] = disk[f"{op}_s"] / dram[f"{op}_s"]
     fixed = disk["base_rss_mib"] + disk["tier_index_mib"] + disk["id_map_mib"]
@@ -320,6 +329,8 @@ def main() -> None:
               f"ratio {results[f'disk_over_dram_{dist}']:.3f}  hit rate {results[f'hit_rate_{dist}']:.3f}  "
               f"write amplification {results[f'write_amplification_{dist}']:.2f}; with an lfu cache: ratio "
               f"{results[f'disk_over_dram_{dist}_lfu']:.3f}, hit rate {results[f'hit_rate_{dist}_lfu']:.3f}")
+        print(f"  {'':8s} reads {disk[f'read_ms_{dist}']:.1f} ms a step at {results[f'rows_read_per_s_{dist}']:,.0f} "
+              f"rows/s: the ratio could reach {results[f'read_bound_{dist}']:.3f} were nothing else paid")
     print(f"  DCP save {disk['save_s']:.1f} s vs {dram['save_s']:.1f} s in DRAM ({results['save_vs_dram_ratio']:.2f}x), "
           f"load {disk['load_s']:.1f} s vs {dram['load_s']:.1f} s ({results['load_vs_dram_ratio']:.2f}x)")
     print(f"  peak RSS {disk['train_peak_rss_mib']:,.0f} MiB training, {disk['checkpoint_peak_rss_mib']:,.0f} MiB "

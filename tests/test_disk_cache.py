@@ -7,9 +7,12 @@ import dataclasses
 import pytest
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from hypothesis import given, settings, strategies as st
 
 from torchrec_kvzch import KVZCHTableParams, TableTBE
 from torchrec_kvzch.params import AdmissionPolicy, CachePolicy, DiskStorage
+from torchrec_kvzch.table import disk_cache
+from torchrec_kvzch.table.disk_cache import lowest
 from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.table.layout import RowPart, make_meta
 from torchrec_kvzch.table.snapshot import RowSnapshot
@@ -40,12 +43,23 @@ def tables(tmp_path, cache_rows: int, **kw):
     return disk, p
 
 
-@pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", "exact_sgd"])
-@pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN])
-def test_training_over_a_small_dram_cache_is_training_in_dram(tmp_path, optimizer, pooling):
+@pytest.mark.parametrize("optimizer,pooling,piece", [("exact_rowwise_adagrad", PoolingMode.SUM, None),
+                                                     ("exact_sgd", PoolingMode.MEAN, None),
+                                                     ("exact_rowwise_adagrad", PoolingMode.MEAN, 7)])
+def test_training_over_a_small_dram_cache_is_training_in_dram(tmp_path, monkeypatch, optimizer, pooling, piece):
+    """``piece``: rows moved at a time (default: the batch's misses at once)."""
     disk, dram = tables(tmp_path, 300, optimizer=optimizer)
     ours = TableTBE(disk, disk.bucket_range(0, 1), num_features=2, pooling=pooling)
     ref = TableTBE(dram, dram.bucket_range(0, 1), num_features=2, pooling=pooling)
+    if piece:
+        monkeypatch.setattr(disk_cache, "PIECE", piece)
+        write_rows, limit = ours.store.write_rows, ours.store.cache.max_rows
+
+        def bounded(*args, **kw):  # DRAM stays within the cache after every piece
+            written = write_rows(*args, **kw)
+            assert len(ours.store) <= limit
+            return written
+        monkeypatch.setattr(ours.store, "write_rows", bounded)
     gen = torch.Generator().manual_seed(0)
     universe = torch.randint(0, 2**40, (2000,), generator=gen).unique()
     for _ in range(10):
@@ -258,3 +272,16 @@ def test_an_lfu_cache_keeps_rows_looked_up_often_where_lru_lets_them_go(tmp_path
     config = tmp_path / "lfu.yaml"  # and in a YAML config's storage block
     config.write_text(config_path("disk").read_text().replace("cache_bytes: 2^21}", "cache_bytes: 2^21, policy: LFU}"))
     assert load_config(config).tables[0].kvzch.storage.policy is CachePolicy.LFU
+
+
+@settings(max_examples=30, deadline=None)
+@given(size=st.sampled_from([1, 1000, 300_000, 1_000_000]), span=st.sampled_from([1, 3, 300, 2**62]),
+       share=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_the_cache_moves_out_exactly_its_lowest_ranked_rows(size, span, share, seed):
+    """``lowest`` (a sampled guess, then an exact top-k of the few under it) picks what a top-k
+    over every key picks: timestamps tied by the step, random keys, all keys equal."""
+    keys = torch.randint(0, span, (size,), generator=torch.Generator().manual_seed(seed))
+    n = max(1, int(share * size))
+    picked = lowest(keys, n)
+    assert picked.unique().numel() == n
+    assert torch.equal(keys[picked].sort().values, torch.topk(keys, n, largest=False).values.sort().values)

@@ -1,5 +1,5 @@
-"""The disk tier's row file (issue 32): after any sequence of puts, takes, removes and holds, every
-id reads the row it was last put with, the file stays within its slack, positions a holder may
+"""The disk tier's row file (issue 32): after any sequence of puts, takes (with puts while their
+reads are in flight), removes and holds, every id reads the row it was last put with, the file stays within its slack, positions a holder may
 read are never overwritten, the native op and its twin write the same file; the directory is
 one opener's, and what a killed run left there is discarded."""
 
@@ -17,7 +17,7 @@ from torchrec_kvzch.table.disk_tier import SLACK, DiskTier
 from torchrec_kvzch.table.native import native_status
 
 ROW = 532  # 128 fp32, a rowwise Adagrad state and the header: 7 rows a unit
-OPS = st.lists(st.tuples(st.sampled_from(["put", "take", "remove", "hold", "release"]),
+OPS = st.lists(st.tuples(st.sampled_from(["put", "take", "take_put", "remove", "hold", "release"]),
                          st.lists(st.integers(0, 120), min_size=1, max_size=40, unique=True)),
                min_size=1, max_size=25)
 
@@ -50,6 +50,18 @@ def test_after_any_sequence_every_id_reads_its_last_row_and_the_file_stays_withi
                 for t in tiers:
                     t.put(torch.tensor(ids), rows)
                 truth.update(zip(ids, rows))
+            elif op == "take_put":  # a take whose ids' reads are in flight while the absent ids are put
+                query = torch.tensor([i for i in ids if i in truth] or [ids[0]])
+                new = [i for i in ids if i not in truth and i != int(query[0])]
+                rows = rows_of(new, version)
+                for t in tiers:
+                    found, taken = t.take(query, during=lambda t=t: t.put(torch.tensor(new, dtype=torch.long), rows))
+                    assert found.tolist() == [i in truth for i in query.tolist()]
+                    assert all(torch.equal(r, truth[i]) for i, r in zip(query[found].tolist(), taken))
+                peak = max(peak, len(truth) + len(new))  # (the rows taken leave after the put)
+                for i in query.tolist():
+                    truth.pop(i, None)
+                truth.update(zip(new, rows))
             elif op in ("take", "remove"):
                 query = torch.tensor(ids)
                 for t in tiers:
@@ -109,6 +121,18 @@ def test_freed_units_are_reused_whole_and_partial_units_are_read_before_they_are
     found, rows = t.read(torch.arange(0, 3000))
     assert int(found.sum()) == len(t) == 10 * per - 21 + 3
     assert torch.equal(rows[-3:], rows_of([2000, 2001, 2002], 2))
+
+
+def test_a_take_whose_work_meanwhile_fails_takes_nothing(tmp_path):
+    t = DiskTier(tmp_path, ROW, "t")
+    t.put(torch.tensor([1, 2]), rows_of([1, 2], 0))
+
+    def fail():
+        raise RuntimeError("room could not be made")
+    with pytest.raises(RuntimeError, match="room could not be made"):
+        t.take(torch.tensor([1]), during=fail)
+    assert len(t) == 2 and torch.equal(t.read(torch.tensor([1, 2]))[1], rows_of([1, 2], 0))
+    t.close()
 
 
 def test_bad_input_names_the_table_and_changes_nothing(tmp_path):

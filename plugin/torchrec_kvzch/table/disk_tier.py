@@ -4,9 +4,8 @@ disk (issue 32; docs/design.md, "The disk tier's storage engine", says why this 
 A row is in DRAM or here, never both: the row store moves rows here when they leave its cache
 (``put``) and back when a batch needs them (``take``). The file holds whole rows of a fixed
 size at positions, grouped in units (4 KiB, or the multiple of it one row needs), and is read
-and written a unit at a time with ``O_DIRECT`` by the native op (``csrc/disk_ops.cpp``, on a
-pool of I/O threads; a Python twin stands in without it), so nothing goes through the page
-cache. In memory: the id map (id -> entry), each entry's position, which positions are used,
+and written a unit at a time with ``O_DIRECT`` (``disk_io.py``: the native op's pool of I/O
+threads), so nothing goes through the page cache. In memory: the id map (id -> entry), each entry's position, which positions are used,
 each unit's count of rows and, given ``meta_at`` (where a row's header word sits), each entry's
 header word (``meta``), which the tier owns: reads return rows with it, so a checkpoint tells
 changed rows and eviction ranks rows without reading the disk, and a rewrite of every header
@@ -29,13 +28,16 @@ caches training state; checkpoints are its durable copy).
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from torchrec_kvzch.table.disk_io import read_units, write_units
 from torchrec_kvzch.table.hashing import map_bytes
 from torchrec_kvzch.table.id_map import IdMap, as_ids
 from torchrec_kvzch.table.native import native_status
@@ -98,7 +100,9 @@ class DiskTier:
         self._free_units = torch.empty(0, dtype=torch.long)  # units with no row, a stack
         self._holders = 0
         self._deferred: list[torch.Tensor] = []  # positions freed while held
+        self._reader: ThreadPoolExecutor | None = None  # ``take``'s reads beside other work
         self.bytes_read = self.bytes_written = 0
+        self.read_seconds = 0.0  # waited for reads, so far (a benchmark's measure of the disk)
 
     def _take_lock(self):
         lock = open(self.dir / "LOCK", "a+")
@@ -219,10 +223,28 @@ class DiskTier:
         entries = entries[found]
         return found, self._read(self.position[entries], self.meta[entries])
 
-    def take(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``read``, then the rows found leave the tier (a batch brings them into DRAM)."""
+    def take(self, ids: torch.Tensor, during: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``read``, then the rows found leave the tier (a batch brings them into DRAM).
+        ``during``: run while the reads are in flight, on a thread of their own (the cache makes
+        room meanwhile). It may ``put`` rows here and nothing else: the positions being read
+        stay used until the reads are done, so nothing is written over them."""
         ids = as_ids(ids, torch.device("cpu"), check=False)
-        found, rows = self.read(ids)
+        entries = self.index.find(ids)
+        found = entries >= 0
+        entries = entries[found]
+        positions, meta = self.position[entries], self.meta[entries]  # (copies: ``during`` may move entries)
+        if during is None:
+            rows = self._read(positions, meta)
+        else:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"kvzch-disk-{self.name}")
+            reading = self._reader.submit(self._fetch, positions)
+            try:
+                during()
+            finally:
+                rows = reading.result()  # (waited for even when ``during`` failed: it fills a buffer)
+            self._count_read(positions)
+            self._patch_meta(rows, meta)
         self._forget(ids[found])
         return found, rows
 
@@ -261,6 +283,9 @@ class DiskTier:
 
     def close(self) -> None:
         """Close and delete the file (its rows are gone), and let the directory go."""
+        if self._reader is not None:
+            self._reader.shutdown()
+            self._reader = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -319,23 +344,29 @@ class DiskTier:
         self._free_units = torch.cat([self._free_units, units[self.unit_rows[units] == 0]])
 
     def _read(self, positions: torch.Tensor, meta: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.empty(positions.numel(), self.row_bytes, dtype=torch.uint8)
-        if positions.numel():
-            if self.native:
-                torch.ops.kvzch.disk_read(self.fd, positions.contiguous(), out, self.unit, self.io_threads)
-            else:
-                _read_twin(self.fd, positions, out, self.unit)
-            self.bytes_read += torch.unique(positions // self.per_unit).numel() * self.unit
-            if meta is not None and self.meta_at is not None:
-                out[:, self.meta_at:self.meta_at + 8] = meta.reshape(-1, 1).long().view(torch.uint8)
+        out = self._fetch(positions)
+        self._count_read(positions)
+        self._patch_meta(out, meta)
         return out
 
+    def _fetch(self, positions: torch.Tensor) -> torch.Tensor:
+        """The file's bytes at ``positions`` (touches no state: ``take`` runs it on its reader)."""
+        out = torch.empty(positions.numel(), self.row_bytes, dtype=torch.uint8)
+        if positions.numel():
+            start = time.perf_counter()
+            read_units(self.fd, positions, out, self.unit, self.io_threads, self.native)
+            self.read_seconds += time.perf_counter() - start  # (only here: no other thread adds)
+        return out
+
+    def _count_read(self, positions: torch.Tensor) -> None:
+        self.bytes_read += torch.unique(positions // self.per_unit).numel() * self.unit
+
+    def _patch_meta(self, rows: torch.Tensor, meta: torch.Tensor | None) -> None:
+        if meta is not None and self.meta_at is not None and rows.numel():
+            rows[:, self.meta_at:self.meta_at + 8] = meta.reshape(-1, 1).long().view(torch.uint8)
+
     def _write(self, positions: torch.Tensor, rows: torch.Tensor, partial: torch.Tensor) -> None:
-        if self.native:
-            read, written = torch.ops.kvzch.disk_write(self.fd, positions.contiguous(), rows, partial.contiguous(),
-                                                      self.unit, self.io_threads)
-        else:
-            read, written = _write_twin(self.fd, positions, rows, partial, self.unit)
+        read, written = write_units(self.fd, positions, rows, partial, self.unit, self.io_threads, self.native)
         self.bytes_read += read
         self.bytes_written += written
 
@@ -347,47 +378,3 @@ def _room(buffer: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.zeros(max(n, 2 * buffer.numel(), 1024), dtype=buffer.dtype)
     out[: buffer.numel()] = buffer
     return out
-
-
-# -- the native op's twins: a unit at a time through an aligned buffer ---------------------------
-def _unit_groups(positions: torch.Tensor, per_unit: int):
-    """(unit, [(index into positions, position within the unit)...]) in ascending unit order."""
-    order = torch.argsort(positions)
-    units = (positions[order] // per_unit).tolist()
-    within = (positions[order] % per_unit).tolist()
-    groups: dict[int, list] = {}
-    for i, u, w in zip(order.tolist(), units, within):
-        groups.setdefault(u, []).append((i, w))
-    return groups.items()
-
-
-def _read_twin(fd: int, positions: torch.Tensor, out: torch.Tensor, unit: int) -> None:
-    row = out.shape[1]
-    buf = mmap.mmap(-1, unit)  # page-aligned, as O_DIRECT wants
-    view = torch.frombuffer(buf, dtype=torch.uint8)
-    for u, members in _unit_groups(positions, unit // row):
-        if os.preadv(fd, [buf], u * unit) != unit:
-            raise OSError(f"disk tier: short read of unit {u}")
-        for i, w in members:
-            out[i] = view[w * row:(w + 1) * row]
-
-
-def _write_twin(fd: int, positions: torch.Tensor, rows: torch.Tensor, partial: torch.Tensor,
-                unit: int) -> tuple[int, int]:
-    row = rows.shape[1]
-    buf = mmap.mmap(-1, unit)
-    view = torch.frombuffer(buf, dtype=torch.uint8)
-    keep, read, written = set(partial.tolist()), 0, 0
-    for u, members in _unit_groups(positions, unit // row):
-        if u in keep:
-            if os.preadv(fd, [buf], u * unit) != unit:
-                raise OSError(f"disk tier: short read of unit {u}")
-            read += unit
-        else:
-            view.zero_()
-        for i, w in members:
-            view[w * row:(w + 1) * row] = rows[i]
-        if os.pwritev(fd, [buf], u * unit) != unit:
-            raise OSError(f"disk tier: short write of unit {u}")
-        written += unit
-    return read, written

@@ -20,12 +20,24 @@ namespace {
 constexpr int64_t kAlign = 4096;
 constexpr int64_t kRunUnits = 64;  // consecutive units moved by one request, at most
 
-struct Aligned {  // an O_DIRECT buffer
-  uint8_t* p;
-  explicit Aligned(size_t bytes) : p(static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes))) {
-    TORCH_CHECK(p != nullptr, "disk tier: out of memory for an I/O buffer of ", bytes, " bytes");
+// A thread's O_DIRECT buffer, as large as its largest run so far: random reads are runs of one
+// unit, so 64 threads hold 64 units, not 64 times the longest run a write may have.
+class Aligned {
+ public:
+  uint8_t* get(int64_t bytes) {
+    if (bytes > size_) {
+      std::free(p_);
+      p_ = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
+      TORCH_CHECK(p_ != nullptr, "disk tier: out of memory for an I/O buffer of ", bytes, " bytes");
+      size_ = bytes;
+    }
+    return p_;
   }
-  ~Aligned() { std::free(p); }
+  ~Aligned() { std::free(p_); }
+
+ private:
+  uint8_t* p_ = nullptr;
+  int64_t size_ = 0;
 };
 
 void full_io(bool write, int64_t fd, uint8_t* buf, int64_t bytes, int64_t offset) {
@@ -82,15 +94,16 @@ void disk_read(int64_t fd, const at::Tensor& positions, at::Tensor out, int64_t 
   uint8_t* o = out.data_ptr<uint8_t>();
 #pragma omp parallel num_threads(std::max<int64_t>(1, threads))
   {
-    Aligned buf(kRunUnits * unit);
+    Aligned scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < (int64_t)runs.size(); ++r) {
       auto [b, e] = runs[r];
       int64_t first = order[b].first / per_unit, last = order[e - 1].first / per_unit;
-      full_io(false, fd, buf.p, (last - first + 1) * unit, first * unit);
+      uint8_t* buf = scratch.get((last - first + 1) * unit);
+      full_io(false, fd, buf, (last - first + 1) * unit, first * unit);
       for (int64_t j = b; j < e; ++j) {
         int64_t pos = order[j].first, u = pos / per_unit - first;
-        std::memcpy(o + order[j].second * row, buf.p + u * unit + (pos % per_unit) * row, row);
+        std::memcpy(o + order[j].second * row, buf + u * unit + (pos % per_unit) * row, row);
       }
     }
   }
@@ -116,13 +129,14 @@ std::tuple<int64_t, int64_t> disk_write(int64_t fd, const at::Tensor& positions,
   int64_t read = 0, written = 0;
 #pragma omp parallel num_threads(std::max<int64_t>(1, threads)) reduction(+ : read, written)
   {
-    Aligned buf(kRunUnits * unit);
+    Aligned scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < (int64_t)runs.size(); ++r) {
       auto [b, e] = runs[r];
       int64_t first = order[b].first / per_unit, last = order[e - 1].first / per_unit;
+      uint8_t* buf = scratch.get((last - first + 1) * unit);
       for (int64_t u = first; u <= last; ++u) {
-        uint8_t* at = buf.p + (u - first) * unit;
+        uint8_t* at = buf + (u - first) * unit;
         if (std::binary_search(pb, pe, u)) {
           full_io(false, fd, at, unit, u * unit);
           read += unit;
@@ -132,9 +146,9 @@ std::tuple<int64_t, int64_t> disk_write(int64_t fd, const at::Tensor& positions,
       }
       for (int64_t j = b; j < e; ++j) {
         int64_t pos = order[j].first;
-        std::memcpy(buf.p + (pos / per_unit - first) * unit + (pos % per_unit) * row, src + order[j].second * row, row);
+        std::memcpy(buf + (pos / per_unit - first) * unit + (pos % per_unit) * row, src + order[j].second * row, row);
       }
-      full_io(true, fd, buf.p, (last - first + 1) * unit, first * unit);
+      full_io(true, fd, buf, (last - first + 1) * unit, first * unit);
       written += (last - first + 1) * unit;
     }
   }

@@ -5,7 +5,9 @@ MEAN (1 only for row-wise SUM features): a KV-ZCH MEAN table (always row-wise) t
 table-wise SUM outputs next to it into sum/L and the table-wise MEAN ones into sum/L^2. One EBC
 holds every combination, including a feature read by row-wise MEAN, row-wise SUM and table-wise
 SUM tables, with empty and uneven bags, unweighted and weighted; forward outputs and the rows
-after one SGD step must match dense sums and means (MEAN: sum(w * row) / bag length).
+after one SGD step must match dense sums and means (MEAN: sum(row) / bag length; weighted, on
+row-wise tables, KV-ZCH or not, what TorchRec's row-wise sharding computes: sum(w * row) /
+(sum(w) + 1e-6)).
 """
 
 import pytest
@@ -78,13 +80,17 @@ def batch(rank, keys, weighted):
 def reference(kjt, tables, weights):
     """{output key: pooled [BATCH, dim]} from dense tables ``weights`` (KV: rows of sorted ids)."""
     out = {}
-    for table, (_, pooling, _, features) in tables.items():
+    for table, (sharding, pooling, _, features) in tables.items():
         for feature in features:
             jt = kjt[feature]
             ids = jt.values() if table != "kv" else torch.searchsorted(weights["kv_ids"], jt.values())
+            w = jt.weights_or_none()
             pooled = F.embedding_bag(ids, weights[table], jt.offsets(), mode="sum",
-                                     per_sample_weights=jt.weights_or_none(), include_last_offset=True)
-            if pooling == MEAN:
+                                     per_sample_weights=w, include_last_offset=True)
+            if pooling == MEAN and w is not None and sharding == "row_wise":  # TorchRec's: sum(w) + 1e-6
+                bags = torch.repeat_interleave(torch.arange(BATCH), jt.lengths())
+                pooled = pooled / (torch.zeros(BATCH).index_add_(0, bags, w) + 1e-6)[:, None]
+            elif pooling == MEAN:
                 pooled = pooled / jt.lengths().clamp(min=1)[:, None]
             shared = sum(feature in spec[3] for spec in tables.values()) > 1
             out[f"{feature}@{table}" if shared else feature] = pooled

@@ -12,13 +12,16 @@ from torchrec_kvzch.serving.table import error_bound
 
 
 def reference_bags(rows: torch.Tensor, offsets: torch.Tensor, pooling: str, weights=None) -> torch.Tensor:
+    """Dense bags; a weighted MEAN is row-wise sharding's: sum(w * row) / (sum(w) + 1e-6)."""
     if weights is not None:
         rows = rows * weights[:, None]
     if pooling == "none":
         return rows
     bags = [rows[a:b].sum(0) if b > a else torch.zeros(rows.shape[1]) for a, b in zip(offsets[:-1], offsets[1:])]
     out = torch.stack(bags)
-    if pooling == "mean":
+    if pooling == "mean" and weights is not None:
+        out = out / torch.stack([weights[a:b].sum() + 1e-6 for a, b in zip(offsets[:-1], offsets[1:])])[:, None]
+    elif pooling == "mean":
         out = out / (offsets[1:] - offsets[:-1]).clamp(min=1)[:, None]
     return out
 

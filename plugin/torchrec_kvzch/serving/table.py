@@ -31,6 +31,7 @@ from torchrec_kvzch.table.id_map import IdMap, as_ids
 from torchrec_kvzch.table.initializer import uniform_by_id_torch
 from torchrec_kvzch.table.native import empty_large, native_status, regrown, release_rows
 from torchrec_kvzch.table.served_rows import outside_message, served_rows_py
+from torchrec_kvzch.table.tbe import WEIGHTED_MEAN_EPS
 
 SERVED_DTYPES = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8}
 POOLINGS = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}
@@ -312,10 +313,20 @@ class ServedTable:
         rows = self.slots(ids)
         weights = None if per_sample_weights is None else per_sample_weights.to(self.device, torch.float32)
         offsets = offsets.to(self.device, torch.int64)
-        out = self._pool(self.rows.view(-1)[: (len(self) + self.defaults) * self.row_bytes], rows, offsets, weights)
+        # A weighted MEAN is row-wise sharding's, as training computed it: sum(w * row) over the
+        # bag's weights (TorchRec's sum(w) + 1e-6), pooled as SUM; fbgemm's MEAN divides by L.
+        by_weights = self.pooling == "mean" and weights is not None
+        mode = POOLINGS["sum" if by_weights else self.pooling]
+        out = self._pool(self.rows.view(-1)[: (len(self) + self.defaults) * self.row_bytes], rows, offsets, weights,
+                         mode)
         initial = self._initial_rows(ids, rows)
         if initial is not None:  # the same bags over the ids' initial rows (zero where an id has a row)
-            out = out + self._pool(initial.view(-1), torch.arange(rows.numel(), device=self.device), offsets, weights)
+            out = out + self._pool(initial.view(-1), torch.arange(rows.numel(), device=self.device), offsets,
+                                   weights, mode)
+        if by_weights:
+            sums = torch.cat([weights.new_zeros(1, dtype=torch.float64), weights.double().cumsum(0)])
+            bag = (sums[offsets[1:]] - sums[offsets[:-1]]).float() + WEIGHTED_MEAN_EPS
+            out = out / torch.where(offsets[1:] > offsets[:-1], bag, 1.0).unsqueeze(1)
         return out
 
     def _initial_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
@@ -331,7 +342,7 @@ class ServedTable:
         return self._encoded(init * (rows < self.defaults).unsqueeze(1))
 
     def _pool(self, dev_weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
-              weights: torch.Tensor | None) -> torch.Tensor:
+              weights: torch.Tensor | None, mode: PoolingMode) -> torch.Tensor:
         """fbgemm's inference op over one table of served rows ``dev_weights`` (flat bytes)."""
         d = self.dim
         return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
@@ -340,7 +351,7 @@ class ServedTable:
             D_offsets=self._d_offsets, total_D=d, max_int2_D=0, max_int4_D=0,
             max_int8_D=d if self.dtype == "int8" else 0, max_float16_D=d if self.dtype == "fp16" else 0,
             max_float32_D=d if self.dtype == "fp32" else 0, indices=indices,
-            offsets=offsets, pooling_mode=int(POOLINGS[self.pooling]), indice_weights=weights,
+            offsets=offsets, pooling_mode=int(mode), indice_weights=weights,
             output_dtype=SparseType.FP32.as_int(), lxu_cache_weights=self._no_cache[0],
             lxu_cache_locations=self._no_cache[1], row_alignment=self._alignment, max_float8_D=0,
             fp8_exponent_bits=-1, fp8_exponent_bias=-1)

@@ -40,6 +40,9 @@ from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.row_store import RowStore
 
 _PRECISION = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}
+# Row-wise sharding's weighted MEAN divides a bag's sum(w * row) by sum(w) + this (TorchRec's,
+# ``_create_mean_pooling_divisor``); training's EBC and serving both divide so.
+WEIGHTED_MEAN_EPS = 1e-6
 
 
 class TableTBE(nn.Module):

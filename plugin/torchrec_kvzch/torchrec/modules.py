@@ -51,6 +51,7 @@ from torchrec_kvzch.torchrec.pretrained import sharded_with_rows, without_kvzch_
 from torchrec_kvzch.torchrec.tables import kvzch_kernels, kvzch_tables
 from torchrec_kvzch.torchrec.validation import BatchChecker
 from torchrec_kvzch.table.rank_budget import SharedBudget
+from torchrec_kvzch.table.tbe import WEIGHTED_MEAN_EPS
 from torchrec_kvzch.table.layout import RowPart
 
 STORE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
@@ -221,11 +222,12 @@ class KVZCHShardedEmbeddingBagCollection(_KVZCHModuleMixin, ShardedEmbeddingBagC
         SUM features: table-wise SUM outputs came back as sum/L, table-wise MEAN ones (pooled
         MEAN by their own kernel) as sum/L^2, the 1 of a row-wise SUM feature went only to the
         feature's first output, whichever table that was, and grid MEAN tables (pooled as SUM
-        too) did not count. Ours is per output: the bag length, at least 1 (an empty bag stays
-        0), for MEAN tables of ``SUM_POOLED_MEAN`` shardings, else 1. Weights don't enter it: a
-        weighted MEAN is sum(w * row) / L, as fbgemm pools it under the other shardings.
-        Variable batch sizes are expanded by the inverse indices, as TorchRec does. What no
-        divisor fixes, weighted MEAN on fbgemm's CPU MEAN kernels, ``__init__`` refuses."""
+        too) did not count. Ours is per output, for MEAN tables of ``SUM_POOLED_MEAN``
+        shardings: the bag length, at least 1 (an empty bag stays 0), or in a weighted module
+        TorchRec's sum of the bag's weights + 1e-6 (a weighted MEAN is sum(w * row) / sum(w),
+        where fbgemm's table-wise kernels divide by L); else 1. Variable batch sizes are
+        expanded by the inverse indices, as TorchRec does. What no divisor fixes, weighted MEAN
+        on fbgemm's CPU MEAN kernels, ``__init__`` refuses."""
         if not self._has_mean_pooling_callback:
             return super().input_dist(ctx, features, *args, **kwargs)
         features = maybe_td_to_kjt(features)
@@ -236,6 +238,10 @@ class KVZCHShardedEmbeddingBagCollection(_KVZCHModuleMixin, ShardedEmbeddingBagC
     def _mean_divisor(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """[batch, output columns], laid out as TorchRec's pooled output."""
         lengths = features.lengths()
+        weights = features.weights_or_none() if self._is_weighted else None
+        if weights is not None:  # (TorchRec's eps; an empty bag divides by 1 below, and stays 0)
+            sums = torch.ops.fbgemm.segment_sum_csr(1, features.offsets().int(), weights.float())
+            lengths = torch.where(lengths > 0, sums + WEIGHTED_MEAN_EPS, 1.0)
         position = {key: i for i, key in enumerate(features.keys())}
         divided = set(self._mean_divided.values())
         if features.variable_stride_per_key():
@@ -249,7 +255,9 @@ class KVZCHShardedEmbeddingBagCollection(_KVZCHModuleMixin, ShardedEmbeddingBagC
         one = lengths.new_ones(())
         rows = [bags[self._mean_divided[name]] if name in self._mean_divided else one
                 for name in self._embedding_names]
-        divisor = torch.stack(torch.broadcast_tensors(*rows), dim=1).clamp_min(1).to(torch.float32)
+        divisor = torch.stack(torch.broadcast_tensors(*rows), dim=1).to(torch.float32)
+        if weights is None:
+            divisor = divisor.clamp_min(1)
         return divisor.repeat_interleave(self._dim_per_key, dim=1,
                                          output_size=sum(self._embedding_dims))
 

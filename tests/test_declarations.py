@@ -23,7 +23,7 @@ from torchrec.modules.embedding_configs import (
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_kvzch import KVZCHTableParams
-from torchrec_kvzch.params import EvictionPolicy
+from torchrec_kvzch.params import EvictionPolicy, WeightDecayMode
 from torchrec_kvzch.torchrec import KVZCH_KERNEL, KVZCHParameterSharding, kvzch_sharders, table_params
 from torchrec_kvzch.torchrec.declarations import VIRTUAL_KERNELS
 from torchrec_kvzch.torchrec.planner import KVZCHConstraints, KVZCHShardingPlanner
@@ -154,8 +154,16 @@ def test_fused_params_fill_what_a_table_leaves_unset():
     from fbgemm_gpu.split_embedding_configs import SparseType
     table_params(config(), fused_params={"weight_decay": 0, "output_dtype": SparseType.FP32})  # our kernel's
     assert not table_params(config(), fused_params={"stochastic_rounding": False}).stochastic_rounding
-    for key, value, message in [("weight_decay", 0.1, "weight_decay=0.1 is not supported"),
-                                ("output_dtype", SparseType.FP16, "output_dtype=.* is not supported"),
+    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode as FbgemmMode
+    decayed = table_params(config(), fused_params={"weight_decay": 0.1, "weight_decay_mode": FbgemmMode.DECOUPLE})
+    assert (decayed.weight_decay, decayed.weight_decay_mode) == (0.1, WeightDecayMode.DECOUPLE)
+    for fused, message in [({"weight_decay": 0.1}, "weight_decay 0.1 with weight_decay_mode none would be dropped"),
+                           ({"weight_decay": 0.1, "weight_decay_mode": FbgemmMode.COUNTER},
+                            "weight_decay_mode .*COUNTER.* is not supported .*per-row counters"),
+                           ({"weight_decay": -1.0, "weight_decay_mode": FbgemmMode.L2}, "weight_decay must be")]:
+        with pytest.raises(ValueError, match=message):
+            table_params(config(), fused_params=fused)
+    for key, value, message in [("output_dtype", SparseType.FP16, "output_dtype=.* is not supported"),
                                 ("optimizer", EmbOptimType.LAMB, "optimizer .* is not supported"),
                                 ("mystery_knob", 1, "'mystery_knob' is not understood"),
                                 ("l2_cache_size", 4, "key_value_params=KeyValueParams")]:

@@ -52,7 +52,8 @@ check_stack()
 # does not import TorchRec.
 _EXPORTS = {
     "torchrec_kvzch.params": ("AdmissionPolicy", "BucketRange", "EvictionKind", "EvictionPolicy",
-                              "EvictionTrigger", "KVZCHTableParams", "OptimizerKind", "RankBudget"),
+                              "EvictionTrigger", "KVZCHTableParams", "OptimizerKind", "RankBudget",
+                              "WeightDecayMode"),
     "torchrec_kvzch.table": ("IdMap", "KVTensor", "RowLayout", "RowPart", "RowStore", "SharedBudget", "TableTBE",
                              "native_status"),
     "torchrec_kvzch.torchrec": ("KVZCHConstraints", "KVZCHEmbeddingBagCollectionSharder",

@@ -43,5 +43,40 @@ class OptimizerKind(str, enum.Enum):
         return EmbOptimType(self.value)
 
 
+class WeightDecayMode(str, enum.Enum):
+    """How ``weight_decay`` enters a table's update; names as fbgemm's ``WeightDecayMode``.
+
+    ``L2`` adds ``weight_decay * w`` to the gradient (rowwise Adagrad's accumulator sees it);
+    ``DECOUPLE`` shrinks the row by ``learning_rate * weight_decay`` apart from the gradient.
+    Rowwise Adagrad takes both from fbgemm; for SGD, which fbgemm's TBE gives no decay, the
+    table applies it (the two modes are then one step: ``w * (1 - lr * wd) - lr * g``). fbgemm's
+    ``COUNTER``, ``COWCLIP`` and ``DECOUPLE_GLOBAL`` need per-row counters or a global step that
+    the rows do not keep: refused."""
+
+    NONE = "none"
+    L2 = "l2"
+    DECOUPLE = "decouple"
+
+    @classmethod
+    def parse(cls, value: "WeightDecayMode | str", table: str = "?") -> "WeightDecayMode":
+        if isinstance(value, cls):
+            return value
+        key = str(getattr(value, "name", value)).strip().lower()
+        for mode in cls:
+            if key == mode.value:
+                return mode
+        why = "it needs per-row counters or a global step the rows do not keep; " if key in _NEEDS_STATE else ""
+        raise ValueError(f"KV-ZCH table '{table}': weight_decay_mode {value!r} is not supported ({why}use "
+                         f"one of {', '.join(m.name for m in cls)})")
+
+    def to_fbgemm(self):
+        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode as FbgemmMode
+
+        return FbgemmMode[self.name]
+
+
+_NEEDS_STATE = {"counter", "cowclip", "decouple_global"}
+
 OPTIMIZER_DEFAULTS = {"optimizer": OptimizerKind.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01,
-                      "eps": 1e-8, "stochastic_rounding": True}
+                      "eps": 1e-8, "stochastic_rounding": True, "weight_decay": 0.0,
+                      "weight_decay_mode": WeightDecayMode.NONE}

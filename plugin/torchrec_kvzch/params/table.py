@@ -11,7 +11,7 @@ import torch
 from torchrec_kvzch.params.admission import AdmissionPolicy
 from torchrec_kvzch.params.checks import pair, positive_int
 from torchrec_kvzch.params.eviction import EvictionPolicy
-from torchrec_kvzch.params.optimizer import OPTIMIZER_DEFAULTS, OptimizerKind
+from torchrec_kvzch.params.optimizer import OPTIMIZER_DEFAULTS, OptimizerKind, WeightDecayMode
 from torchrec_kvzch.params.storage import DiskStorage
 
 _WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -50,11 +50,13 @@ class KVZCHTableParams:
     embedding_dim: int
     num_embeddings: int = 2**40
     total_num_buckets: int = 1024
-    # None: the sharders' fused params decide, else exact_row_wise_adagrad, 0.01, 1e-8, True
+    # None: the sharders' fused params decide, else exact_row_wise_adagrad, 0.01, 1e-8, True, 0, none
     optimizer: OptimizerKind | str | None = None
     learning_rate: float | None = None
     eps: float | None = None
     stochastic_rounding: bool | None = None  # fp16 rows: round updates stochastically (fbgemm's default)
+    weight_decay: float | None = None
+    weight_decay_mode: WeightDecayMode | str | None = None  # none, l2 or decouple (fbgemm's modes)
     init_range: tuple[float, float] = (-0.01, 0.01)
     init_seed: int | None = None  # None: derived from the table name
     weight_dtype: str = "fp32"
@@ -95,6 +97,14 @@ class KVZCHTableParams:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 fail(name, f"must be a positive finite number, got {value!r}", "e.g. 0.01")
+        object.__setattr__(self, "weight_decay_mode", WeightDecayMode.parse(self.weight_decay_mode, self.name))
+        decay = self.weight_decay
+        if not (isinstance(decay, (int, float)) and not isinstance(decay, bool) and math.isfinite(decay)
+                and decay >= 0):
+            fail("weight_decay", f"must be a finite number >= 0, got {decay!r}", "e.g. 1e-5, or 0 for none")
+        if decay and self.weight_decay_mode is WeightDecayMode.NONE:
+            fail("weight_decay", f"{decay} with weight_decay_mode none would be dropped (fbgemm ignores it so)",
+                 "set weight_decay_mode to l2 or decouple, or weight_decay to 0")
         low, high = pair(self.init_range, "init_range", fail)
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
             fail("init_range", f"must be finite (low, high) with low < high, got {self.init_range!r}",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -35,7 +36,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torch import nn
 
-from torchrec_kvzch.params import AdmissionDefault, BucketRange, KVZCHTableParams
+from torchrec_kvzch.params import AdmissionDefault, BucketRange, KVZCHTableParams, OptimizerKind
 from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.row_store import RowStore
 
@@ -82,6 +83,12 @@ class TableTBE(nn.Module):
         self.store = RowStore(params, bucket_range, self.device, backend, initial_rows, budget)
         location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
+        # Weight decay: fbgemm's rowwise Adagrad applies it; fbgemm's SGD has none, so the
+        # update hook shrinks the rows first (``_decay``).
+        decay = ({"weight_decay": params.weight_decay, "weight_decay_mode": params.weight_decay_mode.to_fbgemm()}
+                 if params.optimizer is OptimizerKind.EXACT_ROWWISE_ADAGRAD else {})
+        self._decays_itself = params.optimizer is OptimizerKind.EXACT_SGD and params.weight_decay > 0
+
         def one_row_tbe() -> SplitTableBatchedEmbeddingBagsCodegen:
             return SplitTableBatchedEmbeddingBagsCodegen(
                 [(1, params.embedding_dim, location, compute)],
@@ -95,6 +102,7 @@ class TableTBE(nn.Module):
                 output_dtype=SparseType.FP32,
                 bounds_check_mode=BoundsCheckMode.NONE,  # slots come from the store, always in range
                 device=self.device,
+                **decay,
             )
 
         self.pooling = pooling
@@ -120,14 +128,28 @@ class TableTBE(nn.Module):
         slots = self.store.lookup_for_update(ids)
         self._bind()
         admitted = slots >= 0 if self.store.admission is not None else None
-        if admitted is None or bool(admitted.all()):
+        default_used = not (admitted is None or bool(admitted.all()))
+        if not default_used:
             out = self.tbe(slots, offsets.long(), per_sample_weights)
         else:
             out = self._with_default(slots, offsets.long(), per_sample_weights, admitted)
             slots = slots[admitted]
         if out.requires_grad:
-            out.register_hook(_UpdateHook(self.store, self.store.expect_update(slots)))
+            decay = (lambda: self._decay(slots, default_used)) if self._decays_itself else None
+            out.register_hook(_UpdateHook(self.store, self.store.expect_update(slots), decay))
         return out
+
+    def _decay(self, slots: torch.Tensor, default_used: bool) -> None:
+        """SGD's weight decay, as the update starts: the rows it will write shrink by
+        ``lr * weight_decay``, and fbgemm then subtracts ``lr * grad`` - ``w * (1 - lr * wd) -
+        lr * g``, L2's and decoupled decay's step alike for SGD."""
+        factor = 1.0 - self._hyper[0] * self.params.weight_decay
+        with torch.no_grad():
+            weights = self.store.weights
+            rows = torch.unique(slots)
+            weights[rows] = (weights[rows].float() * factor).to(weights.dtype)
+            if default_used:
+                self.default.split_embedding_weights()[0].mul_(factor)
 
     def _with_default(self, slots, offsets, per_sample_weights, admitted) -> torch.Tensor:
         """The lookup of a batch part of whose ids read the default row (``admitted`` False):
@@ -238,9 +260,11 @@ class _UpdateHook:
     """The gradient hook of a training output: its fused update is starting. Held by the output
     and its graph only, so an output dropped without a backward ends its pending update too."""
 
-    def __init__(self, store: RowStore, update) -> None:
-        self.store, self.update = store, update
+    def __init__(self, store: RowStore, update, before: Callable[[], None] | None = None) -> None:
+        self.store, self.update, self.before = store, update, before
         weakref.finalize(self, store.update_started, update)
 
     def __call__(self, grad: torch.Tensor) -> None:
+        if self.before is not None:  # (what the update needs done to its rows first)
+            self.before()
         self.store.update_started(self.update)

@@ -36,7 +36,7 @@ from torchrec.modules.embedding_configs import (
     TimestampBasedEvictionPolicy,
 )
 
-from torchrec_kvzch.params import DiskStorage, EvictionPolicy, KVZCHTableParams, OptimizerKind
+from torchrec_kvzch.params import DiskStorage, EvictionPolicy, KVZCHTableParams, OptimizerKind, WeightDecayMode
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,7 @@ _PLACEMENT_KEYS = frozenset({
     "ssd_cache_location", "report_interval",
 })
 # fused_params keys with a value our kernel always uses: any other value is refused.
-_FIXED_KEYS = {"weight_decay": 0.0, "gradient_clipping": False, "max_norm": 0.0,
-               "output_dtype": "FP32", "weight_decay_mode": "NONE"}
+_FIXED_KEYS = {"gradient_clipping": False, "max_norm": 0.0, "output_dtype": "FP32"}
 _KEY_VALUE_REFUSED = {
     "enable_raw_embedding_streaming": "streaming rows to a remote store is not provided",
     "res_store_shards": "streaming rows to a remote store is not provided",
@@ -88,7 +87,7 @@ _noticed: set[tuple[str, str]] = set()
 # the TorchRec way may add them alone (KVZCHConstraints(expected_rows=...)); the rest of its
 # parameters come from its config, kernel and the sharders' fused params.
 EXTRA_FIELDS = ("eviction", "admission", "expected_rows", "checkpoint_chunk_rows", "init_seed",
-                "optimizer", "learning_rate", "eps")
+                "optimizer", "learning_rate", "eps", "weight_decay", "weight_decay_mode")
 
 
 def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_value_params=None,
@@ -275,8 +274,10 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
     for key, value in fused_params.items():
         if key == "optimizer":
             fields["optimizer"] = OptimizerKind.parse(getattr(value, "value", value), table)
-        elif key in ("learning_rate", "eps"):
+        elif key in ("learning_rate", "eps", "weight_decay"):
             fields[key] = float(value)
+        elif key == "weight_decay_mode":
+            fields[key] = WeightDecayMode.parse(value, table)
         elif key == "stochastic_rounding":
             fields[key] = bool(value)
         elif key in ("l2_cache_size", "kvzch_tbe_config"):

@@ -46,10 +46,11 @@ class OptimizerKind(str, enum.Enum):
 class WeightDecayMode(str, enum.Enum):
     """How ``weight_decay`` enters a table's update; names as fbgemm's ``WeightDecayMode``.
 
-    ``L2`` adds ``weight_decay * w`` to the gradient (rowwise Adagrad's accumulator sees it);
-    ``DECOUPLE`` shrinks the row by ``learning_rate * weight_decay`` apart from the gradient.
-    Rowwise Adagrad takes both from fbgemm; for SGD, which fbgemm's TBE gives no decay, the
-    table applies it (the two modes are then one step: ``w * (1 - lr * wd) - lr * g``). fbgemm's
+    ``DECOUPLE`` shrinks the row by ``learning_rate * weight_decay`` apart from the gradient;
+    ``L2`` adds ``weight_decay * w`` to the gradient, which for SGD is the same step
+    (``w * (1 - lr * wd) - lr * g``). The table applies the decay itself (fbgemm's SGD has none,
+    its CPU rowwise Adagrad drops it); rowwise Adagrad with ``L2``, whose term must enter the
+    accumulator, is refused until the table's own update does that. fbgemm's
     ``COUNTER``, ``COWCLIP`` and ``DECOUPLE_GLOBAL`` need per-row counters or a global step that
     the rows do not keep: refused."""
 
@@ -68,11 +69,6 @@ class WeightDecayMode(str, enum.Enum):
         why = "it needs per-row counters or a global step the rows do not keep; " if key in _NEEDS_STATE else ""
         raise ValueError(f"KV-ZCH table '{table}': weight_decay_mode {value!r} is not supported ({why}use "
                          f"one of {', '.join(m.name for m in cls)})")
-
-    def to_fbgemm(self):
-        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode as FbgemmMode
-
-        return FbgemmMode[self.name]
 
 
 _NEEDS_STATE = {"counter", "cowclip", "decouple_global"}

@@ -105,6 +105,10 @@ class KVZCHTableParams:
         if decay and self.weight_decay_mode is WeightDecayMode.NONE:
             fail("weight_decay", f"{decay} with weight_decay_mode none would be dropped (fbgemm ignores it so)",
                  "set weight_decay_mode to l2 or decouple, or weight_decay to 0")
+        l2 = self.weight_decay_mode is WeightDecayMode.L2
+        if decay and l2 and self.optimizer is OptimizerKind.EXACT_ROWWISE_ADAGRAD:
+            fail("weight_decay_mode", "l2 is not supported with exact_row_wise_adagrad yet (fbgemm's CPU kernel "
+                 "drops it, and the L2 term must enter the accumulator)", "use weight_decay_mode decouple")
         low, high = pair(self.init_range, "init_range", fail)
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
             fail("init_range", f"must be finite (low, high) with low < high, got {self.init_range!r}",

@@ -36,7 +36,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torch import nn
 
-from torchrec_kvzch.params import AdmissionDefault, BucketRange, KVZCHTableParams, OptimizerKind
+from torchrec_kvzch.params import AdmissionDefault, BucketRange, KVZCHTableParams
 from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.row_store import RowStore
 
@@ -83,11 +83,9 @@ class TableTBE(nn.Module):
         self.store = RowStore(params, bucket_range, self.device, backend, initial_rows, budget)
         location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
-        # Weight decay: fbgemm's rowwise Adagrad applies it; fbgemm's SGD has none, so the
-        # update hook shrinks the rows first (``_decay``).
-        decay = ({"weight_decay": params.weight_decay, "weight_decay_mode": params.weight_decay_mode.to_fbgemm()}
-                 if params.optimizer is OptimizerKind.EXACT_ROWWISE_ADAGRAD else {})
-        self._decays_itself = params.optimizer is OptimizerKind.EXACT_SGD and params.weight_decay > 0
+        # Weight decay: fbgemm's SGD has none and its CPU rowwise Adagrad drops it (measured:
+        # tests/test_weight_decay.py), so the update hook shrinks the rows first (``_decay``).
+        self._decays_itself = params.weight_decay > 0
 
         def one_row_tbe() -> SplitTableBatchedEmbeddingBagsCodegen:
             return SplitTableBatchedEmbeddingBagsCodegen(
@@ -102,7 +100,6 @@ class TableTBE(nn.Module):
                 output_dtype=SparseType.FP32,
                 bounds_check_mode=BoundsCheckMode.NONE,  # slots come from the store, always in range
                 device=self.device,
-                **decay,
             )
 
         self.pooling = pooling
@@ -140,16 +137,17 @@ class TableTBE(nn.Module):
         return out
 
     def _decay(self, slots: torch.Tensor, default_used: bool) -> None:
-        """SGD's weight decay, as the update starts: the rows it will write shrink by
-        ``lr * weight_decay``, and fbgemm then subtracts ``lr * grad`` - ``w * (1 - lr * wd) -
-        lr * g``, L2's and decoupled decay's step alike for SGD."""
+        """Decoupled weight decay, as the update starts: the rows it will write (and the default
+        row, if the batch read it) shrink by ``lr * weight_decay``, then fbgemm's update
+        subtracts its step, which does not depend on the weights - ``w * (1 - lr * wd) - step``
+        (for SGD L2's step too)."""
         factor = 1.0 - self._hyper[0] * self.params.weight_decay
         with torch.no_grad():
             weights = self.store.weights
             rows = torch.unique(slots)
             weights[rows] = (weights[rows].float() * factor).to(weights.dtype)
             if default_used:
-                self.default.split_embedding_weights()[0].mul_(factor)
+                self.default.split_embedding_weights()[0].data.mul_(factor)  # (.data: autograd saved it)
 
     def _with_default(self, slots, offsets, per_sample_weights, admitted) -> torch.Tensor:
         """The lookup of a batch part of whose ids read the default row (``admitted`` False):

@@ -48,7 +48,8 @@ from torchrec.distributed.planner.types import ShardingOption, Storage
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from torchrec_kvzch.params import AdmissionPolicy, BucketRange, EvictionPolicy, KVZCHTableParams, OptimizerKind
+from torchrec_kvzch.params import (
+    AdmissionPolicy, BucketRange, EvictionPolicy, KVZCHTableParams, OptimizerKind, WeightDecayMode)
 from torchrec_kvzch.torchrec.declarations import (
     EXTRA_FIELDS, KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_params)
 from torchrec_kvzch.torchrec.modules import ROW_WISE, KVZCHParameterSharding, kvzch_sharders
@@ -76,6 +77,8 @@ class KVZCHConstraints(ParameterConstraints):
     optimizer: OptimizerKind | str | None = None
     learning_rate: float | None = None
     eps: float | None = None
+    weight_decay: float | None = None
+    weight_decay_mode: WeightDecayMode | str | None = None
 
     def extras(self) -> dict:
         """The ``KVZCHTableParams`` fields given beside the TorchRec declaration."""

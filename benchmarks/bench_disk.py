@@ -66,7 +66,7 @@ HERE = Path(__file__).resolve().parent
 DISTS = ("zipf", "uniform")
 TARGET_RATIO, TARGET_RSS = 0.5, 1.1
 SNAPSHOT_BYTES = 24  # a save's index of a disk-tier table's rows, per row: ids, DRAM slots, tier positions
-FILL_ROWS = 1 << 16  # rows written at a time when the table is filled (their temporaries count in the peak RSS)
+FILL_ROWS = 1 << 14  # rows written at a time when the table is filled (their temporaries count in the peak RSS)
 
 
 def params(args, storage: DiskStorage | None = None) -> KVZCHTableParams:

@@ -67,7 +67,7 @@ def test_rows_after_training_with_weight_decay_equal_the_float64_reference(optim
 def test_a_decay_that_would_be_dropped_or_needs_state_is_refused_by_name():
     for kw, message in [(dict(weight_decay=0.1), "weight_decay 0.1 with weight_decay_mode none would be dropped"),
                         (dict(weight_decay=0.1, weight_decay_mode="counter"), "per-row counters"),
-                        (dict(weight_decay=0.1, weight_decay_mode="sideways"), "use one of NONE, L2, DECOUPLE"),
+                        (dict(weight_decay=0.1, weight_decay_mode="sideways"), "weight_decay_mode 'sideways' is unknown; use one of none, l2, decouple"),
                         (dict(weight_decay=float("nan"), weight_decay_mode="l2"), "weight_decay must be a finite"),
                         (dict(weight_decay=True, weight_decay_mode="l2"), "weight_decay must be a finite"),
                         (dict(weight_decay=0.1, weight_decay_mode="l2"), "weight_decay_mode l2 is not supported with "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from torchrec_kvzch.params.checks import member
+
 
 class OptimizerKind(str, enum.Enum):
     """The fused optimizers of KV-ZCH tables; values are fbgemm's ``EmbOptimType`` names.
@@ -60,15 +62,15 @@ class WeightDecayMode(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: "WeightDecayMode | str", table: str = "?") -> "WeightDecayMode":
-        if isinstance(value, cls):
-            return value
-        key = str(getattr(value, "name", value)).strip().lower()
-        for mode in cls:
-            if key == mode.value:
-                return mode
-        why = "it needs per-row counters or a global step the rows do not keep; " if key in _NEEDS_STATE else ""
-        raise ValueError(f"KV-ZCH table '{table}': weight_decay_mode {value!r} is not supported ({why}use "
-                         f"one of {', '.join(m.name for m in cls)})")
+        """Ours, its value, or fbgemm's ``WeightDecayMode`` (an int enum: by its name)."""
+        if isinstance(value, enum.Enum) and not isinstance(value, cls):
+            value = value.name
+
+        def fail(problem: str):
+            why = (" (it needs per-row counters or a global step the rows do not keep)"
+                   if str(value).lower() in _NEEDS_STATE else "")
+            raise ValueError(f"KV-ZCH table '{table}': {problem}{why}")
+        return member(cls, value, "weight_decay_mode", fail)
 
 
 _NEEDS_STATE = {"counter", "cowclip", "decouple_global"}

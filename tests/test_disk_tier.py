@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from torchrec_kvzch.table import disk_tier
 from torchrec_kvzch.table.disk_tier import SLACK, DiskTier
 from torchrec_kvzch.table.native import native_status
 
@@ -103,7 +104,9 @@ def test_after_any_sequence_every_id_reads_its_last_row_and_the_file_stays_withi
         ROW = saved
 
 
-def test_freed_units_are_reused_whole_and_partial_units_are_read_before_they_are_patched(tmp_path):
+@pytest.mark.parametrize("scan", [disk_tier.HOLE_SCAN, 2])
+def test_freed_units_are_reused_whole_and_partial_units_are_read_before_they_are_patched(tmp_path, monkeypatch, scan):
+    monkeypatch.setattr(disk_tier, "HOLE_SCAN", scan)  # (2: the holes are found over several scans)
     t = DiskTier(tmp_path, ROW, "t")
     per = t.per_unit
     ids = torch.arange(10 * per)
@@ -116,11 +119,12 @@ def test_freed_units_are_reused_whole_and_partial_units_are_read_before_they_are
     t.take(torch.cat([ids[u * per:u * per + 3] for u in range(3, 10)]))  # holes: the file past its slack
     assert t.units * per + 3 > SLACK * (len(t) + 3)
     before = t.bytes_read
-    t.put(torch.arange(2000, 2003), rows_of([2000, 2001, 2002], 2))
+    t.put(torch.arange(2000, 2010), rows_of(list(range(2000, 2010)), 2))
     assert t.units == 10 and t.bytes_read > before  # into holes: read, patched, written back
+    assert int(t.used.sum()) == int(t.unit_rows.sum()) == len(t)
     found, rows = t.read(torch.arange(0, 3000))
-    assert int(found.sum()) == len(t) == 10 * per - 21 + 3
-    assert torch.equal(rows[-3:], rows_of([2000, 2001, 2002], 2))
+    assert int(found.sum()) == len(t) == 10 * per - 21 + 10
+    assert torch.equal(rows[-10:], rows_of(list(range(2000, 2010)), 2))
 
 
 def test_a_take_whose_work_meanwhile_fails_takes_nothing(tmp_path):

@@ -122,6 +122,25 @@ def test_slots_stable_across_growth_and_rehash(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rehash_a_chunk_at_a_time_keeps_every_slot(backend, monkeypatch):
+    """A rehash reinserts the ids a chunk at a time (not past the live ones: ``slot_keys`` has
+    room beyond them), as it grows the table, drops tombstones and shrinks it."""
+    monkeypatch.setattr(id_map, "REHASH_CHUNK", 97)
+    m = new_map(backend)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.unique(torch.randint(0, 2**60, (3000,), generator=gen))
+    ids = ids[torch.randperm(ids.numel(), generator=gen)]
+    m.find_or_insert(ids[:2000])  # grows through rehashes
+    m.erase(ids[:100])
+    m.find_or_insert(ids[2000:])  # over the tombstones: a rehash at the same capacity
+    m.erase(ids[100:2800])  # to a quarter of the load: a shrinking rehash
+    keys = m.keys()
+    assert sorted(keys.tolist()) == sorted(ids[2800:].tolist())
+    assert m.capacity < 4096 and torch.equal(m.find(keys), torch.arange(len(m), device=keys.device))
+    assert bool((m.find(ids[:2800]) < 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_tombstones_are_reclaimed(backend):
     """Insert/erase churn at constant size must not grow the table without bound."""
     m = new_map(backend)

@@ -63,8 +63,9 @@ class DiskCache:
     def reserve(self, rows: int, index: bool) -> int:
         """The store reserves room for ``rows`` rows: the tier's part beyond the cache (with
         ``index``: the store reserves its id map too); returns the rows DRAM may hold."""
-        if index:
-            self.reserved = max(self.reserved, rows - self.max_rows)
+        beyond = rows - self.max_rows
+        if index and beyond > 0:  # (and a piece more: a piece's rows go out before the rows read in leave)
+            self.reserved = max(self.reserved, beyond + min(PIECE, beyond))
             self.tier.reserve(self.reserved)
         return min(rows, self.max_rows)
 
@@ -138,7 +139,9 @@ class DiskCache:
         stamps = meta_timestamp(meta) if self.policy is CachePolicy.LRU else meta_count_then_timestamp(meta)
         kept = store.find(keep)
         stamps[kept[kept >= 0]] = torch.iinfo(stamps.dtype).max
-        yield from torch.sort(store.keys()[lowest(stamps, n)]).values.split(PIECE)
+        leaving = torch.sort(store.keys()[lowest(stamps, n)]).values
+        del meta, stamps, kept  # (a key per DRAM row: not held while the pieces move)
+        yield from leaving.split(PIECE)
 
     def _move_out(self, ids: torch.Tensor | None) -> None:
         """The DRAM rows of ``ids`` (if any) go to disk."""

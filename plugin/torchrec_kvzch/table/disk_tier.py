@@ -43,6 +43,7 @@ from torchrec_kvzch.table.id_map import IdMap, as_ids
 from torchrec_kvzch.table.native import native_status
 
 PAGE = 4096
+HOLE_SCAN = 1 << 16  # units scanned at a time for free positions in them
 SLACK = 1.25  # file positions per live row before freed positions in used units are filled
 # Requests in flight. This machine's disk reads 41k rows/s at 8, 70k at 32 (bench_disk_engines.py)
 # and about 90k at 64 and at 128 (the same, --threads 64 128): more threads stop paying at 64.
@@ -303,10 +304,10 @@ class DiskTier:
         """Ascending positions for ``n`` rows: (positions, free units taken from the stack's top,
         new units at the file's end). Nothing changes until the caller commits."""
         out = []
-        if self.units * self.per_unit + n > SLACK * (len(self) + n) and self._holes():
-            holes = torch.nonzero(~self.used & (self.unit_rows > 0).repeat_interleave(self.per_unit)).view(-1)
-            out.append(holes[:n])
-            n -= out[-1].numel()
+        if self.units * self.per_unit + n > SLACK * (len(self) + n):
+            holes = self._holes(n)
+            out.append(holes)
+            n -= holes.numel()
         taken = min(self._free_units.numel(), -(-n // self.per_unit))
         if taken:
             units = torch.sort(self._free_units[self._free_units.numel() - taken:]).values  # (runs, where adjacent)
@@ -317,9 +318,25 @@ class DiskTier:
             out.append(torch.arange(self.units * self.per_unit, self.units * self.per_unit + n))
         return torch.cat(out) if out else torch.empty(0, dtype=torch.long), taken, new_units
 
-    def _holes(self) -> bool:
-        """Whether some unit with rows has a free position."""
-        return int(self.used.sum()) < int(self.unit_rows.gt(0).sum()) * self.per_unit
+    def _holes(self, n: int) -> torch.Tensor:
+        """Up to ``n`` free positions in units that hold rows, ascending. Found unit by unit
+        (``unit_rows`` counts each unit's used positions), ``HOLE_SCAN`` units at a time: masks
+        over every position, or even every unit, would be temporaries of many MiB outside the
+        cache budget, for a piece's few thousand units."""
+        out, found = [], 0
+        for start in range(0, self.units, HOLE_SCAN):
+            rows = self.unit_rows[start:start + HOLE_SCAN]
+            units = start + torch.nonzero((rows > 0) & (rows < self.per_unit)).view(-1)
+            if not units.numel():
+                continue
+            free = (self.per_unit - self.unit_rows[units]).cumsum(0)
+            units = units[: int(torch.searchsorted(free, n - found)) + 1]  # the first with n - found free
+            positions = (units[:, None] * self.per_unit + torch.arange(self.per_unit)).view(-1)
+            out.append(positions[~self.used[positions]][: n - found])
+            found += out[-1].numel()
+            if found == n:
+                break
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 
     def _forget(self, ids: torch.Tensor) -> None:
         """``ids`` (here) leave the index; their positions are freed (or deferred)."""

@@ -18,6 +18,8 @@ TOMB = -2
 BUCKET = 4  # entries per cache line; a probe starts at the first entry of its id's line
 MAX_LOAD = 0.7
 MIN_CAPACITY = 1024
+REHASH_CHUNK = 1 << 18  # ids reinserted at a time by a rehash
+REHASH_BYTES_PER_ID = 6 * 8  # a rehash's temporaries: a copy of the chunk and the insert's five arrays of it
 
 _M1 = 0xBF58476D1CE4E5B9 - 2**64  # the splitmix64 constants as signed int64
 _M2 = 0x94D049BB133111EB - 2**64
@@ -66,6 +68,6 @@ def table_bytes(n: int) -> int:
 
 def map_bytes(n: int, slack: float = 1.0, rehash: bool = False) -> int:
     """Bytes of a map holding n keys: its hash table, and its slot -> id array with room for
-    ``slack`` times n ids (the array grows geometrically). ``rehash``: at its peak, while a
-    second table is built to drop tombstones."""
-    return table_bytes(n) * (2 if rehash else 1) + int(n * slack) * 8
+    ``slack`` times n ids (the array grows geometrically). ``rehash``: at its peak, while the
+    table is rebuilt to drop tombstones (a chunk of ids reinserted at a time)."""
+    return table_bytes(n) + int(n * slack) * 8 + (min(n, REHASH_CHUNK) * REHASH_BYTES_PER_ID if rehash else 0)

@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from torchrec_kvzch.table.hashing import BUCKET, EMPTY, MAX_LOAD, MIN_CAPACITY, TOMB, capacity_for, home
+from torchrec_kvzch.table.hashing import BUCKET, EMPTY, MAX_LOAD, MIN_CAPACITY, REHASH_CHUNK, TOMB, capacity_for, home
 from torchrec_kvzch.table.layout import touch_meta
 from torchrec_kvzch.table.native import NATIVE_WHY, empty_large, native_status, release_rows
 
@@ -386,10 +386,13 @@ class IdMap:
             self._rehash(max(self.capacity, capacity_for(need)))
 
     def _rehash(self, capacity: int) -> None:
-        live = self.slot_keys[: self.size].clone()
+        """A table of ``capacity`` with the live ids (no tombstones), rebuilt from ``slot_keys``
+        (the old one freed first) a chunk at a time in slot order: one table at a time."""
+        self.table = None
         self._alloc_table(capacity)
-        # Reinserting the ids in slot order reproduces slots 0..size-1 exactly.
-        self.backend.find_or_insert(self.table, self.slot_keys, live, *ANY_ID, 0, False)
+        for at in range(0, self.size, REHASH_CHUNK):
+            chunk = self.slot_keys[at:min(at + REHASH_CHUNK, self.size)].clone()  # (the insert writes slot_keys)
+            self.backend.find_or_insert(self.table, self.slot_keys, chunk, *ANY_ID, at, False)
         self._occupied = self.size
 
     def _alloc_table(self, capacity: int) -> None:

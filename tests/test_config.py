@@ -62,7 +62,7 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
     ("optimiser: {}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
      "optimiser: unknown key; did you mean 'optimizer'? allowed: description, optimizer, rank_budget, table_defaults, tables"),
     ("optimizer: {type: lamb}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
-     "optimizer.type: 'lamb' is not supported; use one of exact_rowwise_adagrad, exact_sgd"),
+     "optimizer.type: 'lamb' is not supported (upstream's KV-ZCH tables train with these alone); use one of exact_rowwise_adagrad, exact_sgd, adam, partial_rowwise_adam"),
     ("tables:\n" + GOOD_TABLE, "tables[0] (t): missing required key 'num_embeddings' (or a 'kvzch' block)"),
     ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    pooling: max\n",
      "tables[0] (t).pooling: 'max' is not allowed; use one of sum, mean"),
@@ -73,7 +73,7 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
     ("tables:\n" + GOOD_TABLE + "    kvzch: {num_embeddings: 2^20, total_num_buckets: 16, backend_return_whole_row: true}\n",
      "tables[0] (t).kvzch: KV-ZCH table 't': backend_return_whole_row is only valid with enable_optimizer_offloading"),
     ("tables:\n" + GOOD_TABLE + "    kvzch: {num_embeddings: 2^20, total_num_buckets: 16, bucket_count: 3}\n",
-     "tables[0] (t).kvzch.bucket_count: unknown key; allowed: admission, backend_return_whole_row, checkpoint_chunk_rows"),
+     "tables[0] (t).kvzch.bucket_count: unknown key; allowed: admission, backend_return_whole_row, beta1, beta2, checkpoint_chunk_rows"),
     ("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, eviction: {kind: lru, rows: 5}}\n",
      "tables[0] (t).kvzch.eviction.rows: unknown key; did you mean 'max_rows'? allowed: count_decay, count_threshold, free_memory_bytes, interval_steps, kind, l2_threshold, max_bytes, max_rows, table_max_bytes, table_max_rows, trigger, trigger_bytes, trigger_rows, ttl_minutes, ttl_steps"),
     ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    planner: {sharding_types: [diagonal]}\n",
@@ -104,8 +104,12 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
      "eviction.kind 'lur' is unknown; did you mean 'lru'? use one of none, ttl"),
     ("tables:\n" + GOOD_TABLE + "    pooling: summ\n    num_embeddings: 10\n",
      "tables[0] (t).pooling: 'summ' is not allowed; did you mean 'sum'? use one of sum, mean"),
-    ("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, optimizer: adam}\n",
-     "tables[0] (t).kvzch.optimizer: 'adam' is not supported (fbgemm has no CPU Adam"),
+    ("optimizer: {type: adam}\ntables:\n" + GOOD_TABLE + "    num_embeddings: 10\n",
+     "optimizer.type: adam would also train the ordinary tables ['t'], which fbgemm's CPU TBE cannot"),
+    ("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, optimizer: lamb}\n",
+     "tables[0] (t).kvzch.optimizer: 'lamb' is not supported (upstream's KV-ZCH tables train with these alone)"),
+    ("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, optimizer: adam, beta1: 1.5}\n",
+     "tables[0] (t).kvzch: KV-ZCH table 't': beta1 must be a number in [0, 1)"),
 ])
 def test_bad_configs_name_file_key_and_fix(tmp_path, text, fragment):
     path = tmp_path / "bad.yaml"
@@ -138,3 +142,11 @@ def test_table_defaults_fill_every_table_and_kvzch_false_makes_an_ordinary_one(t
     assert (b.embedding_dim, b.kvzch.expected_rows, b.kvzch.total_num_buckets) == (8, 7, 16)
     assert b.kvzch.init_range == (-0.5, 0.5)  # tuple fields take YAML lists
     assert c.kvzch is None and (c.embedding_dim, c.num_embeddings) == (16, 10)
+
+
+def test_a_kvzch_block_sets_adam_and_its_betas(tmp_path):
+    path = tmp_path / "adam.yaml"
+    path.write_text("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, optimizer: adam, beta1: 0.8, "
+                    "weight_decay: 0.01, weight_decay_mode: decouple}\n")
+    kv = load_config(path).tables[0].kvzch
+    assert (kv.optimizer.value, kv.beta1, kv.beta2, kv.weight_decay) == ("adam", 0.8, 0.999, 0.01)

@@ -29,7 +29,7 @@ CUDA = DEVICE  # the CPU only where _cuda.py rehearses these tests without a GPU
 # -- the kernel --------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 @pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE])
-@pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", "exact_sgd"])
+@pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", "exact_sgd", "adam", "partial_row_wise_adam"])
 def test_kernel_on_cuda_trains_like_the_kernel_on_cpu(optimizer, pooling, dtype):
     """Outputs, the ids that got rows, weights and optimizer state after fused steps that grow
     the store past its first capacity (1024 rows) on CUDA. fbgemm's CUDA and CPU kernels sum
@@ -63,6 +63,47 @@ def test_kernel_on_cuda_trains_like_the_kernel_on_cpu(optimizer, pooling, dtype)
     with torch.no_grad():  # evaluation reads the same rows
         torch.testing.assert_close(ours.eval()(ids.to(CUDA), offsets.to(CUDA)).cpu(),
                                    ref.eval()(ids, offsets), **tol)
+
+
+@pytest.mark.skipif(CUDA.type != "cuda", reason="fbgemm's Adam runs on CUDA only")
+@pytest.mark.parametrize("optimizer", ["adam", "partial_row_wise_adam"])
+def test_adam_on_cuda_trains_like_fbgemms_dense_cuda_adam(optimizer):
+    """Our Adam (its own update, the moments in the rows) against fbgemm's CUDA Adam holding the
+    same rows densely: outputs, weights and both moments after several steps."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
+                                                                        SplitTableBatchedEmbeddingBagsCodegen)
+
+    gen = torch.Generator().manual_seed(1)
+    p = KVZCHTableParams("t", 16, num_embeddings=2**62, total_num_buckets=64, optimizer=optimizer,
+                         learning_rate=0.05, beta1=0.8, beta2=0.95, init_range=(-0.5, 0.5))
+    ours = TableTBE(p, p.bucket_range(0, 1), device=CUDA)
+    universe = torch.randint(0, 2**62, (500,), generator=gen).unique()
+    dense = SplitTableBatchedEmbeddingBagsCodegen(
+        [(universe.numel(), 16, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)], optimizer=EmbOptimType(optimizer),
+        learning_rate=0.05, eps=p.eps, beta1=0.8, beta2=0.95, device=CUDA)
+    with torch.no_grad():
+        dense.split_embedding_weights()[0].copy_(ours.store.peek(universe.to(CUDA)))
+    for _ in range(5):
+        lengths = torch.randint(0, 6, (64,), generator=gen)
+        local = torch.randint(0, universe.numel(), (int(lengths.sum()),), generator=gen)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(CUDA)
+        out, want = ours(universe[local].to(CUDA), offsets), dense(local.to(CUDA), offsets)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+        grad = torch.randn(want.shape, generator=gen).to(CUDA)
+        out.backward(grad)
+        want.backward(grad)
+    seen = torch.sort(ours.store.keys()).values
+    rows = torch.searchsorted(universe.to(CUDA), seen)  # (universe is sorted: unique())
+    torch.testing.assert_close(ours.store.read_ids(seen), dense.split_embedding_weights()[0][rows],
+                               rtol=1e-4, atol=1e-5)
+    m1, m2 = (t.view(universe.numel(), -1)[rows] for t in dense.split_optimizer_states()[0])
+    columns = {name: (first, count) for name, first, count in p.optimizer.state_names(16)}
+    kept = ours.store.read_ids(seen, RowPart.OPTIMIZER)
+    for name, want_state in (("momentum1", m1), ("momentum2", m2)):  # (fbgemm's names too)
+        first, count = columns[name]
+        torch.testing.assert_close(kept[:, first:first + count], want_state.float(), rtol=1e-4, atol=1e-6)
 
 
 # -- the id map ---------------------------------------------------------------------------------

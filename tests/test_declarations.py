@@ -157,6 +157,14 @@ def test_fused_params_fill_what_a_table_leaves_unset():
     from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode as FbgemmMode
     decayed = table_params(config(), fused_params={"weight_decay": 0.1, "weight_decay_mode": FbgemmMode.DECOUPLE})
     assert (decayed.weight_decay, decayed.weight_decay_mode) == (0.1, WeightDecayMode.DECOUPLE)
+    l2 = table_params(config(), fused_params={"weight_decay": 0.1, "weight_decay_mode": FbgemmMode.L2})
+    assert (l2.optimizer.value, l2.weight_decay_mode) == ("exact_row_wise_adagrad", WeightDecayMode.L2)
+    for kind in (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM):  # upstream's KV-ZCH Adams, with their betas
+        adam = table_params(config(), fused_params={"optimizer": kind, "beta1": 0.8, "beta2": 0.99})
+        assert (adam.optimizer.value, adam.beta1, adam.beta2) == (kind.value, 0.8, 0.99)
+    constrained = table_params(config(), fused_params={"optimizer": EmbOptimType.ADAM},
+                               extras=KVZCHConstraints(beta2=0.9).extras())
+    assert (constrained.beta1, constrained.beta2) == (0.9, 0.9)
     for fused, message in [({"weight_decay": 0.1}, "weight_decay 0.1 with weight_decay_mode none would be dropped"),
                            ({"weight_decay": 0.1, "weight_decay_mode": FbgemmMode.COUNTER},
                             r"weight_decay_mode 'COUNTER' is unknown; use one of none, l2, decouple \(it needs per-row counters"),

@@ -7,6 +7,7 @@ import copy
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -24,11 +25,11 @@ from torchrec_kvzch.torchrec import kvzch_tables
 KINDS = ("none", "ttl", "lfu", "lru", "rank")  # creates, updates, evictions, lfu's count decay
 
 
-def save_chain(rank, world, kind, gaps, full_every, root, asynchronous, dense_lr, admission=None):
+def save_chain(rank, world, kind, gaps, full_every, root, asynchronous, dense_lr, admission=None, table_kw=None):
     """Train, saving after each of ``gaps`` steps (deltas between full checkpoints, every
     ``full_every``-th in full); the state at the last save, and each save's kind."""
     pg = dist.group.WORLD
-    model, dense = build(pg, kind, dense_lr, admission=admission)
+    model, dense = build(pg, kind, dense_lr, admission=admission, **(table_kw or {}))
     group = dist.new_group(backend="gloo") if asynchronous else pg
     manager = CheckpointManager(root, keep=1, process_group=group, full_every=full_every)
     step, last = 0, None
@@ -44,11 +45,11 @@ def save_chain(rank, world, kind, gaps, full_every, root, asynchronous, dense_lr
     return last, [len(manager.chain(s)) for s in manager.steps()], step
 
 
-def restore(rank, world, kind, root, dense_lr, step=None, admission=None):
+def restore(rank, world, kind, root, dense_lr, step=None, admission=None, table_kw=None):
     """A model with rows of its own loads the chain; its state, or the error and whether the
     model stayed as it was."""
     pg = dist.group.WORLD
-    model, dense = build(pg, kind, dense_lr, admission=admission)
+    model, dense = build(pg, kind, dense_lr, admission=admission, **(table_kw or {}))
     train_step(model, dense, 99, rank, world)  # rows, clock and history the load must replace
     before = snapshot(model, dense, pg)
     state = state_of(model, dense)
@@ -114,6 +115,18 @@ def test_base_and_deltas_restore_the_state_of_the_last_delta(pools):
     _chain_property(pools, seen)
     assert any(length > 2 for length, *_ in seen) and any(resharded for _, resharded, _ in seen)
     assert any(evicted for *_, evicted in seen)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "partial_row_wise_adam"])
+def test_adam_moments_travel_in_deltas(pools, optimizer):
+    """A chain of deltas of Adam tables (whole rows and momentum1 / momentum2 apart), saved at
+    2 ranks, restored at 3: the rows with both moments and the clocks of the last save."""
+    kw = {"optimizer": optimizer}
+    with tempfile.TemporaryDirectory() as tmp:
+        want, chain_lengths, _ = pools[2].run(save_chain, "none", [2, 1, 2], 4, tmp, False, 0.0, None, kw)[0]
+        error, got = pools[3].run(restore, "none", tmp, 0.0, None, None, kw)[0]
+    assert error is None, error[-1500:]
+    assert chain_lengths[-1] == 3 and differences(want, got, resharded=True) == []
 
 
 def _untouched_rows_decay(rank, world, root):

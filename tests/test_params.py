@@ -28,8 +28,9 @@ def make(**kw):
         (dict(total_num_buckets=0), "total_num_buckets must be a positive integer"),
         (dict(num_embeddings=True), "num_embeddings must be a positive integer"),
         (dict(checkpoint_chunk_rows=0), "checkpoint_chunk_rows must be a positive integer"),
-        (dict(optimizer="lamb"), "optimizer 'lamb' is not supported; use one of exact_rowwise_adagrad, exact_sgd"),
-        (dict(optimizer="adam"), "optimizer 'adam' is not supported (fbgemm has no CPU Adam, and its CUDA Adam"),
+        (dict(optimizer="lamb"), "optimizer 'lamb' is not supported (upstream's KV-ZCH tables train with these "
+                                 "alone); use one of exact_rowwise_adagrad, exact_sgd, adam, partial_rowwise_adam"),
+        (dict(optimizer="adam", beta2=1.0), "beta2 must be a number in [0, 1)"),
         (dict(learning_rate=0), "learning_rate must be a positive finite number"),
         (dict(eps=float("nan")), "eps must be a positive finite number"),
         (dict(init_range=(0.1, -0.1)), "init_range must be finite (low, high) with low < high"),

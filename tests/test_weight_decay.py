@@ -34,7 +34,8 @@ def reference_step(rows: dict, momentum: dict, ids, offsets, grad_out, p: KVZCHT
 
 @settings(max_examples=24, deadline=None)
 @given(optimizer_mode=st.sampled_from([("exact_sgd", "l2"), ("exact_sgd", "decouple"),
-                                       ("exact_rowwise_adagrad", "decouple")]), decay=st.sampled_from([0.0, 0.01, 0.3]),
+                                       ("exact_rowwise_adagrad", "decouple"), ("exact_rowwise_adagrad", "l2")]),
+       decay=st.sampled_from([0.0, 0.01, 0.3]),
        pooling=st.sampled_from([PoolingMode.SUM, PoolingMode.MEAN]), seed=st.integers(0, 2**16))
 def test_rows_after_training_with_weight_decay_equal_the_float64_reference(optimizer_mode, decay, pooling, seed):
     optimizer, mode = optimizer_mode
@@ -69,9 +70,7 @@ def test_a_decay_that_would_be_dropped_or_needs_state_is_refused_by_name():
                         (dict(weight_decay=0.1, weight_decay_mode="counter"), "per-row counters"),
                         (dict(weight_decay=0.1, weight_decay_mode="sideways"), "weight_decay_mode 'sideways' is unknown; use one of none, l2, decouple"),
                         (dict(weight_decay=float("nan"), weight_decay_mode="l2"), "weight_decay must be a finite"),
-                        (dict(weight_decay=True, weight_decay_mode="l2"), "weight_decay must be a finite"),
-                        (dict(weight_decay=0.1, weight_decay_mode="l2"), "weight_decay_mode l2 is not supported with "
-                                                                         "exact_row_wise_adagrad yet")]:
+                        (dict(weight_decay=True, weight_decay_mode="l2"), "weight_decay must be a finite")]:
         with pytest.raises(ValueError, match=f"KV-ZCH table 'user': .*{message}"):
             KVZCHTableParams("user", 8, **kw)
     assert KVZCHTableParams("user", 8, weight_decay_mode="L2").weight_decay_mode is WeightDecayMode.L2

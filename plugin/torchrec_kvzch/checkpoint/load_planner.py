@@ -111,7 +111,7 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
                 self._plan_admission(table)
         for fqn, view in views.items():
             if view.part is RowPart.OPTIMIZER:
-                self._plan_entry(by_store[view.store], fqn, RowPart.OPTIMIZER)
+                self._plan_entry(by_store[view.store], fqn, RowPart.OPTIMIZER, view.columns)
         for table in by_store.values():
             if table.split and table.optimizer and RowPart.OPTIMIZER not in table.parts.values():
                 raise ValueError(f"the state dict to load has no optimizer state for KV-ZCH table "
@@ -198,9 +198,9 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
             self.state_dict[fqn] = table.history[fqn]
             self._tables[fqn] = table
 
-    def _plan_entry(self, table: TableLoad, fqn: str, part: RowPart) -> None:
-        """Rows to stream for ``fqn`` as ``part``, or none (``_skip``) where the rows carry it
-        already or it is not loaded."""
+    def _plan_entry(self, table: TableLoad, fqn: str, part: RowPart, columns: tuple[int, int] | None = None) -> None:
+        """Rows to stream for ``fqn`` as ``part`` (``columns``: of it), or none (``_skip``) where
+        the rows carry it already or it is not loaded."""
         saved = self.metadata.state_dict_metadata.get(fqn)
         if (part is RowPart.OPTIMIZER and not table.optimizer) or (not table.split and part is not RowPart.ROW):
             return self._skip(fqn, table)  # not loaded, or held by the whole rows already
@@ -212,10 +212,11 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
             raise ValueError(f"{self._checkpoint} has no '{fqn}' for KV-ZCH table '{table.name}': "
                              "it was saved from another model or by an older torchrec-kvzch")
         if part is RowPart.OPTIMIZER and table.upstream:
-            self._check_upstream_optimizer(table, fqn, saved)
+            self._check_upstream_optimizer(table, fqn, saved, columns)
         self.state_dict[fqn] = RowSink(saved.size, table.begin, table.end)
         self._tables[fqn] = table
         table.parts[fqn] = part
+        table.columns[fqn] = columns
         table.dtypes[fqn] = saved.properties.dtype
 
     def _check_aligned(self, table: TableLoad) -> None:
@@ -356,7 +357,7 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
                 buffers[fqn] = torch.empty(nbytes, dtype=torch.uint8)
             out = buffers[fqn][:nbytes].view(dtype).view(shape)
             self._files.read_rows(self._files.span(item.storage_index), item.storage_offsets[0], out)
-            table.receive(table.parts[fqn], (item.dest_offsets[0], item.lengths[0]), out)
+            table.receive(fqn, (item.dest_offsets[0], item.lengths[0]), out)
 
     def resolve_tensor(self, read_item):
         table = self._tables.get(read_item.dest_index.fqn)
@@ -377,4 +378,4 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
             return table.receive_deleted(tensor)
         if fqn not in table.parts:  # clock or counters, read in full into state_dict[fqn]
             return table.receive_history(fqn, tensor.shape[0])
-        table.receive(table.parts[fqn], (read_item.dest_offsets[0], read_item.lengths[0]), tensor)
+        table.receive(fqn, (read_item.dest_offsets[0], read_item.lengths[0]), tensor)

@@ -28,9 +28,10 @@ class TableLoad:
         self.layout = layout  # the saved rows' layout
         self.begin = self.end = 0
         self.parts: dict[str, RowPart] = {}  # fqn -> the part its rows are
+        self.columns: dict[str, tuple[int, int] | None] = {}  # fqn -> (first, count) of its part, or all
         self.dtypes: dict[str, torch.dtype] = {}  # fqn -> saved dtype
         self.skipped: list[str] = []  # entries read for nothing (still verified)
-        self.pending: dict[tuple[int, int], dict[RowPart, torch.Tensor]] = {}  # split chunks
+        self.pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # split chunks, by fqn
         self.history: dict[str, torch.Tensor] = {}  # clock / counters fqn -> read in full here
         self.arrived: Counter = Counter()  # clock / counters / admission fqn -> rows arrived
         self.admission_live: dict[str, torch.Tensor] = {}  # admission entry -> this shard's block
@@ -79,23 +80,34 @@ class TableLoad:
         if ids.numel():
             self.store.delete(ids)
 
-    def receive(self, part: RowPart, key: tuple[int, int], tensor: torch.Tensor) -> None:
-        """Saved rows ``key = (first row, rows)`` of one part arrived."""
+    def receive(self, fqn: str, key: tuple[int, int], tensor: torch.Tensor) -> None:
+        """Saved rows ``key = (first row, rows)`` of entry ``fqn`` arrived."""
         if not self.split:
             self._loaders[RowPart.ROW].load(tensor, layout=self.layout, optimizer=self.optimizer)
             if self.upstream:
                 self._advance_clock(self.layout.unpack(tensor)[1])
             return
         chunk = self.pending.setdefault(key, {})
-        chunk[part] = tensor
-        if len(chunk) == len(set(self.parts.values())):
+        chunk[fqn] = tensor
+        if len(chunk) == len(self.parts):
             self._apply(self.pending.pop(key))
 
-    def _apply(self, chunk: dict[RowPart, torch.Tensor]) -> None:
+    def _apply(self, entries: dict[str, torch.Tensor]) -> None:
+        """A saved chunk whose every entry arrived: its parts enter the store (an optimizer's
+        named states put together into its rows' state first)."""
+        chunk: dict[RowPart, torch.Tensor] = {}
+        for fqn, tensor in entries.items():
+            part, columns = self.parts[fqn], self.columns.get(fqn)
+            if columns is None:
+                chunk[part] = tensor.reshape(tensor.shape[0], -1)
+                continue
+            if part not in chunk:
+                chunk[part] = tensor.new_empty(tensor.shape[0], self.store.layout.width(part))
+            chunk[part][:, columns[0]:columns[0] + columns[1]] = tensor.reshape(tensor.shape[0], -1)
         ids = chunk[RowPart.ID].reshape(-1)
         for part in (RowPart.WEIGHT, RowPart.META, RowPart.OPTIMIZER):  # weights create the rows
             if part in chunk:
-                self._loaders[part].load(chunk[part].reshape(ids.numel(), -1), ids)
+                self._loaders[part].load(chunk[part], ids)
         if self.upstream and RowPart.META in chunk:
             self._advance_clock(chunk[RowPart.META].reshape(-1))
 

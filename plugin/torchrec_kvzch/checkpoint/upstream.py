@@ -126,8 +126,8 @@ class UpstreamTables:
                     f"it was saved with another num_embeddings. Load it into a table with the "
                     "num_embeddings it was saved with")
 
-    def _check_upstream_optimizer(self, table: TableLoad, fqn: str, saved) -> None:
-        floats = table.store.layout.optimizer_floats
+    def _check_upstream_optimizer(self, table: TableLoad, fqn: str, saved, columns=None) -> None:
+        floats = columns[1] if columns else table.store.layout.optimizer_floats
         per_row = 1 if len(saved.size) == 1 else saved.size[1]
         if saved.properties.dtype != torch.float32 or per_row != floats:
             raise ValueError(f"{self._checkpoint}: KV-ZCH table '{table.name}' has optimizer state "

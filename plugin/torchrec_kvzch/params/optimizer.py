@@ -10,13 +10,16 @@ from torchrec_kvzch.params.checks import member
 class OptimizerKind(str, enum.Enum):
     """The fused optimizers of KV-ZCH tables; values are fbgemm's ``EmbOptimType`` names.
 
-    Both keep their state in the store's rows and bind to fbgemm's TBE in place. Adam cannot:
-    fbgemm has no CPU Adam, and its CUDA Adam wants the two moments as two flat tensors, where a
-    row keeps them side by side; ``parse`` refuses it (and every other fbgemm optimizer) with
-    that reason rather than accept a table no kernel can train."""
+    Every one keeps its state in the store's rows, in upstream's whole-row layout. Row-wise
+    Adagrad and SGD bind fbgemm's TBE to the rows; Adam and partial row-wise Adam run the
+    table's own update (``table/row_optimizers.py``): fbgemm has no CPU Adam, and its CUDA Adam
+    keeps the moments in flat tensors of its own. ``parse`` refuses the other fbgemm optimizers
+    (no KV-ZCH backend upstream trains them either)."""
 
     EXACT_ROWWISE_ADAGRAD = "exact_row_wise_adagrad"
     EXACT_SGD = "exact_sgd"
+    ADAM = "adam"
+    PARTIAL_ROWWISE_ADAM = "partial_row_wise_adam"
 
     @classmethod
     def parse(cls, value: "OptimizerKind | str", table: str = "?") -> "OptimizerKind":
@@ -31,13 +34,23 @@ class OptimizerKind(str, enum.Enum):
     @classmethod
     def refusal(cls, value) -> str:
         """Why ``value`` is not an optimizer of KV-ZCH tables, and what to use instead."""
-        why = (" (fbgemm has no CPU Adam, and its CUDA Adam needs the two moments apart, which "
-               "the row store keeps together in each row)" if "adam" in str(value).lower() else "")
-        return f"{value!r} is not supported{why}; use one of {', '.join(k.name.lower() for k in cls)}"
+        return (f"{value!r} is not supported (upstream's KV-ZCH tables train with these alone); "
+                f"use one of {', '.join(k.name.lower() for k in cls)}")
 
     def state_floats(self, embedding_dim: int) -> int:
-        """fp32 optimizer values kept per row (rowwise Adagrad: one accumulator; SGD: none)."""
-        return {OptimizerKind.EXACT_ROWWISE_ADAGRAD: 1, OptimizerKind.EXACT_SGD: 0}[self]
+        """fp32 optimizer values kept per row: row-wise Adagrad's accumulator; Adam's two
+        moments per element; partial row-wise Adam's second moment per row and first per
+        element; SGD none."""
+        return {OptimizerKind.EXACT_ROWWISE_ADAGRAD: 1, OptimizerKind.EXACT_SGD: 0,
+                OptimizerKind.ADAM: 2 * embedding_dim,
+                OptimizerKind.PARTIAL_ROWWISE_ADAM: embedding_dim + 1}[self]
+
+    def state_names(self, embedding_dim: int) -> tuple[tuple[str, int, int], ...]:
+        """The state a row keeps, as TorchRec names it: (name, first column, columns)."""
+        dim = embedding_dim
+        return {OptimizerKind.EXACT_ROWWISE_ADAGRAD: (("momentum1", 0, 1),), OptimizerKind.EXACT_SGD: (),
+                OptimizerKind.ADAM: (("momentum1", 0, dim), ("momentum2", dim, dim)),
+                OptimizerKind.PARTIAL_ROWWISE_ADAM: (("momentum1", 1, dim), ("momentum2", 0, 1))}[self]
 
     def to_fbgemm(self):
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -77,4 +90,4 @@ _NEEDS_STATE = {"counter", "cowclip", "decouple_global"}
 
 OPTIMIZER_DEFAULTS = {"optimizer": OptimizerKind.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01,
                       "eps": 1e-8, "stochastic_rounding": True, "weight_decay": 0.0,
-                      "weight_decay_mode": WeightDecayMode.NONE}
+                      "weight_decay_mode": WeightDecayMode.NONE, "beta1": 0.9, "beta2": 0.999}

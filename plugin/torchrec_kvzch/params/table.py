@@ -50,13 +50,15 @@ class KVZCHTableParams:
     embedding_dim: int
     num_embeddings: int = 2**40
     total_num_buckets: int = 1024
-    # None: the sharders' fused params decide, else exact_row_wise_adagrad, 0.01, 1e-8, True, 0, none
+    # None: the sharders' fused params decide, else OPTIMIZER_DEFAULTS (exact_row_wise_adagrad, lr 0.01, ...)
     optimizer: OptimizerKind | str | None = None
     learning_rate: float | None = None
     eps: float | None = None
     stochastic_rounding: bool | None = None  # fp16 rows: round updates stochastically (fbgemm's default)
     weight_decay: float | None = None
     weight_decay_mode: WeightDecayMode | str | None = None  # none, l2 or decouple (fbgemm's modes)
+    beta1: float | None = None  # Adam's moment decays (fbgemm's defaults 0.9, 0.999); Adam tables only
+    beta2: float | None = None
     init_range: tuple[float, float] = (-0.01, 0.01)
     init_seed: int | None = None  # None: derived from the table name
     weight_dtype: str = "fp32"
@@ -105,10 +107,10 @@ class KVZCHTableParams:
         if decay and self.weight_decay_mode is WeightDecayMode.NONE:
             fail("weight_decay", f"{decay} with weight_decay_mode none would be dropped (fbgemm ignores it so)",
                  "set weight_decay_mode to l2 or decouple, or weight_decay to 0")
-        l2 = self.weight_decay_mode is WeightDecayMode.L2
-        if decay and l2 and self.optimizer is OptimizerKind.EXACT_ROWWISE_ADAGRAD:
-            fail("weight_decay_mode", "l2 is not supported with exact_row_wise_adagrad yet (fbgemm's CPU kernel "
-                 "drops it, and the L2 term must enter the accumulator)", "use weight_decay_mode decouple")
+        for name in ("beta1", "beta2"):
+            beta = getattr(self, name)
+            if not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 <= beta < 1):
+                fail(name, f"must be a number in [0, 1), got {beta!r}", "e.g. 0.9 for beta1, 0.999 for beta2")
         low, high = pair(self.init_range, "init_range", fail)
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
             fail("init_range", f"must be finite (low, high) with low < high, got {self.init_range!r}",

@@ -38,12 +38,16 @@ class KVTensor:
         snapshot: RowSnapshot | None = None,
         start: int = 0,
         length: int | None = None,
+        columns: tuple[int, int] | None = None,
     ) -> None:
         """``ids``: the rows to expose, ascending; default, the store's live ids. Or
         ``snapshot``: positions ``[start, start + length)`` of that snapshot (several views may
-        share one). An ``RowPart.ID`` view (the ids themselves) is always read-only."""
+        share one). An ``RowPart.ID`` view (the ids themselves) is always read-only.
+        ``columns``: (first, count) of the part's columns alone - one named state of an
+        optimizer that keeps several (Adam's ``momentum1`` and ``momentum2``)."""
         self.store = store
         self.part = RowPart(part)
+        self.columns = columns
         self.snapshot = snapshot if snapshot is not None else RowSnapshot(store, ids)  # (an empty one is falsy)
         self.start = start
         self.length = len(self.snapshot) - start if length is None else length
@@ -57,7 +61,7 @@ class KVTensor:
     # -- tensor-like metadata -----------------------------------------------------------------
     @property
     def shape(self) -> list[int]:
-        return [self.length, self.store.layout.width(self.part)]
+        return [self.length, self.columns[1] if self.columns else self.store.layout.width(self.part)]
 
     def size(self, dim: int | None = None):
         return torch.Size(self.shape) if dim is None else self.shape[dim]
@@ -65,7 +69,9 @@ class KVTensor:
     @property
     def width_offset(self) -> int:
         """Column of the whole row where this view starts (0 for whole rows)."""
-        return self.store.layout.width_offset(self.part)
+        layout = self.store.layout
+        first = self.columns[0] * 4 // layout.itemsize if self.columns else 0  # (fp32 state columns)
+        return layout.width_offset(self.part) + first
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,7 +102,7 @@ class KVTensor:
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         """Materialise rows ``[start, start + length)`` of the view."""
         self._check_slice(dim, start, length)
-        return self.snapshot.read(self.start + start, length, self.part)
+        return self._narrowed(self.snapshot.read(self.start + start, length, self.part))
 
     def read_into(self, out: torch.Tensor) -> torch.Tensor:
         """Materialise the whole view into ``out`` (contiguous, ``shape`` and ``dtype``): a save
@@ -104,13 +110,15 @@ class KVTensor:
         if list(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
             raise ValueError(f"{self}: read_into needs a contiguous {self.shape} {self.dtype} tensor, "
                              f"got {list(out.shape)} {out.dtype}")
+        if self.columns:
+            return out.copy_(self.full_tensor())
         return self.snapshot.read(self.start, self.shape[0], self.part, out)
 
     def slice(self, start: int, length: int) -> "KVTensor":
         """The view of rows ``[start, start + length)``, still unmaterialised."""
         self._check_slice(0, start, length)
         return KVTensor(self.store, self.part, read_only=self.read_only, snapshot=self.snapshot,
-                        start=self.start + start, length=length)
+                        start=self.start + start, length=length, columns=self.columns)
 
     def full_tensor(self) -> torch.Tensor:
         return self.narrow(0, 0, self.shape[0])
@@ -119,7 +127,7 @@ class KVTensor:
         """Rows of global ``ids`` as this view's part, ``[len(ids), width]``, read from the live
         store like fbgemm's DRAM wrapper (an absent id reads as zeros; as a whole row: key = id,
         used bit 0). Any id of the table may be asked for, not only the snapshot's."""
-        return self.store.read_ids(ids, self.part)
+        return self._narrowed(self.store.read_ids(ids, self.part))
 
     # -- writes (no-ops when read_only) --------------------------------------------------------
     def set_range(self, dim: int, start: int, length: int, values: torch.Tensor) -> None:
@@ -135,8 +143,7 @@ class KVTensor:
         if length < 0:
             raise ValueError(f"{self}: set_range needs length >= 0, got {length}")
         if self.part is not RowPart.ROW:
-            ids = torch.arange(start, start + length, dtype=torch.long, device=self.store.device)
-            self.store.write_ids(ids, values, self.part)
+            self._write_ids(torch.arange(start, start + length, dtype=torch.long, device=self.store.device), values)
             return
         self._check_slice(dim, start, length)
         width, dtype = self.shape[1], self.dtype
@@ -154,7 +161,7 @@ class KVTensor:
         if self.part is RowPart.ROW:
             self.store.write_rows(weights)
         else:
-            self.store.write_ids(ids, weights, self.part)
+            self._write_ids(ids, weights)
 
     # -- loading checkpoints ------------------------------------------------------------------
     def load(self, values: torch.Tensor, ids: torch.Tensor | None = None,
@@ -190,10 +197,26 @@ class KVTensor:
             values, ids = values[mine], ids[mine]
         if self.part is RowPart.ROW:
             return self.store.write_rows(values, layout, optimizer)
-        self.store.write_ids(ids, values, self.part)
+        self._write_ids(ids, values)
         return ids.numel()
 
     # -- internals ----------------------------------------------------------------------------
+    def _narrowed(self, rows: torch.Tensor) -> torch.Tensor:
+        if not self.columns:
+            return rows
+        first, count = self.columns
+        return rows[:, first:first + count].contiguous()
+
+    def _write_ids(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` as this view's columns of the rows of ``ids`` (the part's other
+        columns kept)."""
+        if self.columns:
+            first, count = self.columns
+            whole = self.store.read_ids(ids, self.part).clone()
+            whole[:, first:first + count] = values.reshape(ids.numel(), count).to(whole)
+            values = whole
+        self.store.write_ids(ids, values, self.part)
+
     def _skip_write(self, what: str) -> bool:
         if self.read_only and not self._warned:
             logger.info("%s: %s ignored (read-only view)", self, what)

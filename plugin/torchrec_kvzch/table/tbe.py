@@ -36,8 +36,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torch import nn
 
-from torchrec_kvzch.params import AdmissionDefault, BucketRange, KVZCHTableParams
+from torchrec_kvzch.params import AdmissionDefault, BucketRange, KVZCHTableParams, OptimizerKind
 from torchrec_kvzch.table.rank_budget import SharedBudget
+from torchrec_kvzch.table.row_optimizers import (Hyper, apply, lookup_gradients, runs_itself,
+                                                 sample_weight_gradients)
 from torchrec_kvzch.table.row_store import RowStore
 
 _PRECISION = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}
@@ -83,15 +85,19 @@ class TableTBE(nn.Module):
         self.store = RowStore(params, bucket_range, self.device, backend, initial_rows, budget)
         location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
-        # Weight decay: fbgemm's SGD has none and its CPU rowwise Adagrad drops it (measured:
+        # Adam, partial row-wise Adam and row-wise Adagrad with L2 decay: the table's own update
+        # (row_optimizers.py) in the backward of ``_OwnUpdate``; fbgemm's TBE only looks up.
+        self._own = runs_itself(params)
+        # Else weight decay: fbgemm's SGD has none and its CPU rowwise Adagrad drops it (measured:
         # tests/test_weight_decay.py), so the update hook shrinks the rows first (``_decay``).
-        self._decays_itself = params.weight_decay > 0
+        self._decays_itself = params.weight_decay > 0 and not self._own
+        self._anchor = torch.zeros((), requires_grad=True)  # (what an own update's output hangs on)
 
         def one_row_tbe() -> SplitTableBatchedEmbeddingBagsCodegen:
             return SplitTableBatchedEmbeddingBagsCodegen(
                 [(1, params.embedding_dim, location, compute)],
                 feature_table_map=[0] * num_features,
-                optimizer=params.optimizer.to_fbgemm(),
+                optimizer=(OptimizerKind.EXACT_SGD if self._own else params.optimizer).to_fbgemm(),
                 learning_rate=params.learning_rate,
                 eps=params.eps,
                 pooling_mode=pooling,
@@ -109,6 +115,8 @@ class TableTBE(nn.Module):
             self.default = one_row_tbe()  # the shared row of ids not admitted yet, from zeros
             with torch.no_grad():
                 self.default.split_embedding_weights()[0].zero_()
+        # An own update's default row keeps its optimizer state here (fbgemm's TBE holds none).
+        self._default_state = torch.zeros(1, self.store.layout.optimizer_floats, device=self.device)
         self._suffix = "dev" if on_cuda else "host"
         self._hyper = (params.learning_rate, params.eps)
         self._bound: torch.Tensor | None = None
@@ -127,7 +135,7 @@ class TableTBE(nn.Module):
         admitted = slots >= 0 if self.store.admission is not None else None
         default_used = not (admitted is None or bool(admitted.all()))
         if not default_used:
-            out = self.tbe(slots, offsets.long(), per_sample_weights)
+            out = self._lookup(self.tbe, slots, offsets.long(), per_sample_weights)
         else:
             out = self._with_default(slots, offsets.long(), per_sample_weights, admitted)
             slots = slots[admitted]
@@ -162,8 +170,8 @@ class TableTBE(nn.Module):
 
         n_in, off_in, w_in = part(admitted)
         n_out, off_out, w_out = part(~admitted)
-        main = self.tbe(slots[admitted], off_in, w_in)
-        other = (self.default(torch.zeros_like(slots[~admitted]), off_out, w_out)
+        main = self._lookup(self.tbe, slots[admitted], off_in, w_in)
+        other = (self._lookup(self.default, torch.zeros_like(slots[~admitted]), off_out, w_out)
                  if self.default is not None else None)
         if self.pooling == PoolingMode.NONE:
             rows = main.new_zeros(slots.numel(), main.shape[1])
@@ -182,6 +190,30 @@ class TableTBE(nn.Module):
             other = other * scale(n_out) if other is not None else None
         return main + other if other is not None else main
 
+    def _lookup(self, tbe, slots, offsets, per_sample_weights) -> torch.Tensor:
+        """``tbe``'s training lookup: fbgemm's own autograd (its fused update), or ours."""
+        if not self._own:
+            return tbe(slots, offsets, per_sample_weights)
+        return _OwnUpdate.apply(self._anchor, self, tbe, slots, offsets, per_sample_weights)
+
+    def own_update(self, tbe, grad: torch.Tensor, slots, offsets, per_sample_weights, step: int) -> torch.Tensor | None:
+        """The own update of the rows ``tbe`` looked up (the store's, or the default row's) from
+        the gradient of its output; returns the per-sample weights' gradient when they need one."""
+        pooled, mean = self.pooling != PoolingMode.NONE, self.pooling == PoolingMode.MEAN
+        bags, source = lookup_gradients(grad, offsets, pooled, mean, self.num_features)
+        if tbe is self.tbe:
+            weights, state, keys = self.store.weights, self.store.optimizer, self.store.keys()
+        else:  # (the default row: id -1 for its rounding draws)
+            weights, state = tbe.split_embedding_weights()[0].data, self._default_state
+            keys = torch.full((1,), -1, dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            weight_grads = None
+            if per_sample_weights is not None and per_sample_weights.requires_grad:  # (before the update)
+                weight_grads = sample_weight_gradients(bags, source, weights, slots)
+            scale = per_sample_weights.detach() if per_sample_weights is not None else None
+            apply(Hyper.of(self.params, *self._hyper), weights, state, keys, slots, bags, source, scale, step)
+        return weight_grads
+
     def set_hyper_parameters(self, lr: float, eps: float) -> None:
         """The learning rate and eps of the next fused update (fbgemm reads them in backward)."""
         if (lr, eps) == self._hyper:
@@ -191,7 +223,7 @@ class TableTBE(nn.Module):
                 raise ValueError(f"KV-ZCH table '{self.params.name}': optimizer {name} must be a "
                                  f"finite number >= 0, got {value!r}")
         for tbe in (self.tbe, self.default):
-            if tbe is not None:
+            if tbe is not None and not self._own:
                 tbe.update_hyper_parameters({"lr": float(lr), "eps": float(eps)})
         self._hyper = (lr, eps)
 
@@ -222,7 +254,10 @@ class TableTBE(nn.Module):
         if self.default is None:
             return {}
         out = {"weight": self.default.split_embedding_weights()[0]}
-        if self.store.layout.optimizer_floats:
+        if self._own:
+            for name, start, width in self.params.optimizer.state_names(self.params.embedding_dim):
+                out[name] = self._default_state[:, start:start + width]
+        elif self.store.layout.optimizer_floats:
             out["momentum1"] = getattr(self.default, f"momentum1_{self._suffix}").detach().view(1, -1)
         return out
 
@@ -234,7 +269,7 @@ class TableTBE(nn.Module):
         if self._bound is store.weights:
             return
         self._set_tensor(f"weights_{self._suffix}", store.weights.view(-1).data)
-        if store.optimizer.shape[1]:
+        if store.optimizer.shape[1] and not self._own:
             self._set_tensor(f"momentum1_{self._suffix}", store.optimizer.view(-1).data)
         self._set_geometry(store.capacity)
         self._bound = store.weights
@@ -252,6 +287,24 @@ class TableTBE(nn.Module):
         if isinstance(current, nn.Parameter):
             tensor = nn.Parameter(tensor, requires_grad=current.requires_grad)
         setattr(self.tbe, name, tensor)
+
+
+class _OwnUpdate(torch.autograd.Function):
+    """A training lookup whose backward is the table's own update: the forward is fbgemm's
+    lookup alone; the backward sums the gradient per distinct row and updates the rows in place
+    (``row_optimizers.py``), at the clock of the forward (bias correction's step). Its output
+    hangs on ``anchor`` so that autograd calls the backward."""
+
+    @staticmethod
+    def forward(ctx, anchor, table: TableTBE, tbe, slots, offsets, per_sample_weights):
+        ctx.table, ctx.tbe, ctx.step = table, tbe, table.store.clock
+        ctx.lookup = (slots, offsets, per_sample_weights)
+        return tbe(slots, offsets, per_sample_weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight_grads = ctx.table.own_update(ctx.tbe, grad, *ctx.lookup, ctx.step)
+        return None, None, None, None, None, weight_grads if ctx.needs_input_grad[5] else None
 
 
 class _UpdateHook:

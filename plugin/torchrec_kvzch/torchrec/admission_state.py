@@ -4,8 +4,9 @@ A KV-ZCH table with admission adds, beside its rows, one block per rank of each 
 
 * ``admission_sketch`` ``[world * depth, width]`` uint8: the shard's count-min sketch;
 * ``admission_totals`` ``[world, 2]`` int64: new ids admitted and rejected;
-* with a trainable default row, ``default_weight`` ``[world, D]`` and, for rowwise Adagrad,
-  ``default_momentum1`` ``[world, 1]``: each shard's default row.
+* with a trainable default row, ``default_weight`` ``[world, D]`` and its optimizer state as
+  the table's rows name it (``default_momentum1``; Adam's ``default_momentum2`` too): each
+  shard's default row.
 
 The entries are views of the live state, so DCP saves them as they are and loads them in place
 when the checkpoint was saved at this world size with these buckets: a resume is exact. Saved
@@ -28,7 +29,7 @@ from torchrec_kvzch.table.tbe import TableTBE
 
 SKETCH, TOTALS = "admission_sketch", "admission_totals"
 DEFAULT_WEIGHT = "default_weight"  # each shard's trainable default row
-ADMISSION_ENTRIES = (SKETCH, TOTALS, DEFAULT_WEIGHT, "default_momentum1")
+ADMISSION_ENTRIES = (SKETCH, TOTALS, DEFAULT_WEIGHT, "default_momentum1", "default_momentum2")
 
 
 def live_state(tbe: TableTBE) -> dict[str, torch.Tensor]:

@@ -87,7 +87,7 @@ _noticed: set[tuple[str, str]] = set()
 # the TorchRec way may add them alone (KVZCHConstraints(expected_rows=...)); the rest of its
 # parameters come from its config, kernel and the sharders' fused params.
 EXTRA_FIELDS = ("eviction", "admission", "expected_rows", "checkpoint_chunk_rows", "init_seed",
-                "optimizer", "learning_rate", "eps", "weight_decay", "weight_decay_mode")
+                "optimizer", "learning_rate", "eps", "weight_decay", "weight_decay_mode", "beta1", "beta2")
 
 
 def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_value_params=None,
@@ -274,7 +274,7 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
     for key, value in fused_params.items():
         if key == "optimizer":
             fields["optimizer"] = OptimizerKind.parse(getattr(value, "value", value), table)
-        elif key in ("learning_rate", "eps", "weight_decay"):
+        elif key in ("learning_rate", "eps", "weight_decay", "beta1", "beta2"):
             fields[key] = float(value)
         elif key == "weight_decay_mode":
             fields[key] = WeightDecayMode.parse(value, table)
@@ -283,8 +283,6 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
         elif key in ("l2_cache_size", "kvzch_tbe_config"):
             fail(f"fused param '{key}' sets eviction triggers, which are read per table",
                  f"pass it as ParameterConstraints(key_value_params=KeyValueParams({key}=...))")
-        elif key in ("beta1", "beta2"):
-            continue  # Adam's, and KV-ZCH tables refuse Adam (OptimizerKind)
         elif key in _FIXED_KEYS:
             if not _same(value, _FIXED_KEYS[key]):
                 fail(f"fused param {key}={value!r} is not supported by the KV-ZCH kernel "

@@ -91,7 +91,8 @@ def _rebuilt(obj, changed, counts, pg):
             continue
         rows, deleted = changed[view.snapshot]
         store, (row_counts, deleted_counts) = view.store, counts[view.store.params.name]
-        out[key] = rows_sharded_tensor(KVTensor(store, view.part, read_only=view.read_only, snapshot=rows),
+        out[key] = rows_sharded_tensor(KVTensor(store, view.part, read_only=view.read_only, snapshot=rows,
+                                                columns=view.columns),
                                        row_counts, pg)
         if view.part in (RowPart.ROW, RowPart.WEIGHT) and key.endswith("weight"):
             prefix = key[: -len("weight")]

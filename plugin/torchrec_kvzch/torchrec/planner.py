@@ -79,6 +79,8 @@ class KVZCHConstraints(ParameterConstraints):
     eps: float | None = None
     weight_decay: float | None = None
     weight_decay_mode: WeightDecayMode | str | None = None
+    beta1: float | None = None
+    beta2: float | None = None
 
     def extras(self) -> dict:
         """The ``KVZCHTableParams`` fields given beside the TorchRec declaration."""

@@ -68,8 +68,8 @@ class TableSnapshot:
         store = tbe.store
         return cls(name, tbe, RowSnapshot(store), store.clock, store.history.counters.clone())
 
-    def view(self, part: RowPart, read_only: bool = False) -> KVTensor:
-        return KVTensor(self.store, part, read_only=read_only, snapshot=self.rows)
+    def view(self, part: RowPart, read_only: bool = False, columns: tuple[int, int] | None = None) -> KVTensor:
+        return KVTensor(self.store, part, read_only=read_only, snapshot=self.rows, columns=columns)
 
     @property
     def store(self):
@@ -90,8 +90,9 @@ def table_entries(tables: Iterator[tuple[str, TableTBE]], prefix: str,
     """Model entries ``{prefix}{table}.weight / .weight_id / .bucket`` for every KV-ZCH table
     shard here, and each table's optimizer state entries, from one snapshot of its ids.
 
-    Optimizer state is exposed as ``{table}.momentum1`` (rowwise Adagrad's accumulator, as
-    TorchRec names it): read-only when whole rows already carry it, else writable."""
+    Optimizer state is exposed as TorchRec names it, ``{table}.momentum1`` (row-wise
+    Adagrad's accumulator, Adam's first moment) and ``{table}.momentum2`` (Adam's second):
+    read-only when whole rows already carry it, else writable."""
     snapshots = [TableSnapshot.take(name, tbe) for name, tbe in tables]
     rows = row_counts_by_rank({s.name: len(s.rows) for s in snapshots}, pg)
     out, optimizer = {}, {}
@@ -108,15 +109,16 @@ def table_entries(tables: Iterator[tuple[str, TableTBE]], prefix: str,
         out[f"{prefix}{snap.name}.counters"] = bucket_sharded_tensor(snap, snap.counters, pg)
         out[f"{prefix}{snap.name}.clock"] = torch.tensor([snap.clock])
         out.update(admission_entries(snap.tbe, f"{prefix}{snap.name}.", pg))
-        if snap.store.layout.optimizer_floats:
+        optimizer[snap.name] = {}
+        named = params.optimizer.state_names(params.embedding_dim)
+        for state_name, first, count in named:
+            columns = (first, count) if len(named) > 1 else None
             state = rows_sharded_tensor(
-                snap.view(RowPart.OPTIMIZER, read_only=params.backend_return_whole_row), counts, pg)
+                snap.view(RowPart.OPTIMIZER, read_only=params.backend_return_whole_row, columns=columns), counts, pg)
             # TorchRec's KeyedOptimizer.load_state_dict calls a state object's own
             # load_state_dict where it has one, instead of copying shard by shard.
             state.load_state_dict = functools.partial(load_optimizer_state, state)
-            optimizer[snap.name] = {f"{snap.name}.momentum1": state}
-        else:
-            optimizer[snap.name] = {}
+            optimizer[snap.name][f"{snap.name}.{state_name}"] = state
     return out, optimizer
 
 

@@ -67,7 +67,7 @@ def test_kernel_on_cuda_trains_like_the_kernel_on_cpu(optimizer, pooling, dtype)
 
 @pytest.mark.skipif(CUDA.type != "cuda", reason="fbgemm's Adam runs on CUDA only")
 @pytest.mark.parametrize("optimizer", ["adam", "partial_row_wise_adam"])
-def test_adam_on_cuda_trains_like_fbgemms_dense_cuda_adam(optimizer):
+def test_adam_kernel_on_cuda_trains_like_fbgemms_dense_cuda_adam(optimizer):
     """Our Adam (its own update, the moments in the rows) against fbgemm's CUDA Adam holding the
     same rows densely: outputs, weights and both moments after several steps."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType

@@ -265,6 +265,34 @@ def test_adam_tables_resume_exactly_at_any_world_size(pools, optimizer, w_save, 
         assert all(torch.equal(a, b) for a, b in zip(want, outs)) or w_save != w_load
 
 
+def _load_without(rank, world, root, missing):
+    """Adam tables saved after 2 steps, then loaded into a model whose optimizer state lacks the
+    entry ``missing``: the error, and whether the model stayed as it was."""
+    model, dense = build(kind="none", optimizer="adam")
+    for step in range(2):
+        train_step(model, dense, step, rank, world)
+    dcp.save(state_of(model, dense), checkpoint_id=root, planner=KVZCHSavePlanner())
+    model, dense = build(kind="none", optimizer="adam")
+    train_step(model, dense, 9, rank, world)
+    before, state = snapshot(model, dense, dist.group.WORLD), state_of(model, dense)
+    for entries in state["optim"]["state"].values():
+        entries.pop(missing, None)
+    try:
+        dcp.load(state, checkpoint_id=root, planner=KVZCHLoadPlanner(checkpoint_id=root))
+        error = None
+    except CheckpointException as e:
+        error = str(e)
+    return error, same(before, snapshot(model, dense, dist.group.WORLD)) == []
+
+
+def test_a_load_with_part_of_adams_state_is_refused_before_any_row_changes(pools, tmp_path):
+    """One of momentum1 / momentum2 of a table whose rows keep them apart: refused by name (the
+    missing columns would be written as zeros), changing nothing."""
+    for error, unchanged in pools[2].run(_load_without, str(tmp_path / "ckpt"), "u.momentum2"):
+        assert error is not None and unchanged
+        assert "u.momentum1'] of KV-ZCH table 'u''s optimizer state: include the optimizer's whole" in error
+
+
 # -- 2. a load that fails changes nothing ------------------------------------------------------
 def save_plain(rank, world, root, high=BUCKETS * BUCKET_SIZE, table_kw=None):
     """3 steps, then a synchronous save (one file per rank); every row, gathered."""

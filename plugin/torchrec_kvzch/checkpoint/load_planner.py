@@ -118,6 +118,11 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
                                  f"'{table.name}' (rows without backend_return_whole_row keep it apart): "
                                  "include the optimizer's state_dict(), or pass load_optimizer=False "
                                  "to start it fresh")
+            named = [f for f, c in table.columns.items() if c is not None]
+            if named and sum(table.columns[f][1] for f in named) != table.store.layout.optimizer_floats:
+                raise ValueError(f"the state dict to load has only {sorted(named)} of KV-ZCH table "
+                                 f"'{table.name}''s optimizer state: include the optimizer's whole "
+                                 "state_dict(), or pass load_optimizer=False to start it fresh")
             self._check_aligned(table)
         if self._tables_only:
             self._ignore_all_but_tables()

@@ -102,7 +102,7 @@ class TableLoad:
                 chunk[part] = tensor.reshape(tensor.shape[0], -1)
                 continue
             if part not in chunk:
-                chunk[part] = tensor.new_empty(tensor.shape[0], self.store.layout.width(part))
+                chunk[part] = tensor.new_zeros(tensor.shape[0], self.store.layout.width(part))
             chunk[part][:, columns[0]:columns[0] + columns[1]] = tensor.reshape(tensor.shape[0], -1)
         ids = chunk[RowPart.ID].reshape(-1)
         for part in (RowPart.WEIGHT, RowPart.META, RowPart.OPTIMIZER):  # weights create the rows

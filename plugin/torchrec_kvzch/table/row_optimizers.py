@@ -10,9 +10,9 @@ batch to ``g``, the row's gradient summed over its occurrences:
 * partial row-wise Adam: the same, with ``v`` one value per row fed ``mean(g^2)``;
 * row-wise Adagrad: ``a += mean(g^2)``, ``w -= lr / (sqrt(a) + eps) g``.
 
-Weight decay: ``decouple`` is the ``wd w`` term above (Adam) or ``w *= 1 - lr wd`` first
-(Adagrad, as ``TableTBE._decay`` does under fbgemm's update); ``l2`` adds ``wd w`` to ``g``
-before anything reads it (fbgemm's rule for row-wise Adagrad; for Adam, torch.optim.Adam's).
+Weight decay: ``decouple`` is the ``wd w`` term above (Adam; row-wise Adagrad with it stays on
+fbgemm's update, ``TableTBE._decay``); ``l2`` adds ``wd w`` to ``g`` before anything reads it
+(fbgemm's rule for row-wise Adagrad; for Adam, torch.optim.Adam's).
 ``t`` is the table's clock at the batch's forward: the training steps it has seen, saved with
 every checkpoint, as fbgemm counts its ``iter`` per forward.
 
@@ -33,7 +33,8 @@ from torchrec_kvzch.table.hashing import FIBONACCI, mix64
 from torchrec_kvzch.table.native import native_status
 
 _FP16_DROPPED = (1 << 13) - 1  # fp32 mantissa bits an fp16 does not keep
-_KINDS = {OptimizerKind.EXACT_ROWWISE_ADAGRAD: 0, OptimizerKind.ADAM: 1, OptimizerKind.PARTIAL_ROWWISE_ADAM: 2}  # the op's
+# The native op's numbers for the optimizers it runs.
+_KINDS = {OptimizerKind.EXACT_ROWWISE_ADAGRAD: 0, OptimizerKind.ADAM: 1, OptimizerKind.PARTIAL_ROWWISE_ADAM: 2}
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,6 @@ def update_rows(hyper: Hyper, weights: torch.Tensor, state: torch.Tensor, rows: 
     kind = hyper.kind
     if kind is OptimizerKind.EXACT_ROWWISE_ADAGRAD:
         s[:, 0] += g.square().mean(dim=1)
-        if hyper.weight_decay and not hyper.l2:
-            w *= 1.0 - hyper.lr * hyper.weight_decay
         w -= (hyper.lr / (s[:, :1].sqrt() + hyper.eps)) * g
     else:
         b1, b2 = hyper.beta1, hyper.beta2

@@ -63,10 +63,9 @@ void own_update_rows(W* weights, float* state, const float* grad, const int64_t*
       if (kind == kRowwiseAdagrad) {
         float squares = 0.0f;
         for (int64_t j = 0; j < dim; ++j) squares += g[j] * g[j];
-        s[0] += squares / static_cast<float>(dim);
-        const float shrink = (!l2 && wd != 0.0f) ? 1.0f - flr * wd : 1.0f;
+        s[0] += squares / static_cast<float>(dim);  // (only with an l2 decay: already in g)
         const float multiplier = flr / (std::sqrt(s[0]) + feps);
-        for (int64_t j = 0; j < dim; ++j) w[j] = w[j] * shrink - multiplier * g[j];
+        for (int64_t j = 0; j < dim; ++j) w[j] -= multiplier * g[j];
       } else {
         const float keep = l2 ? 0.0f : wd;
         float* m = kind == kAdam ? s : s + 1;

@@ -20,7 +20,8 @@ called on a ``KeyedJaggedTensor`` of the row indices (one feature, lengths and o
 beforehand): the whole module (KJT permute and split, its TBE's bounds check, fbgemm's
 ``int_nbit_split_embedding_codegen_lookup_function``). Both quantize with fbgemm's
 ``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf``, so their rows are the same bytes (checked
-once, ``check_rows_identical_<dtype>``; TorchRec's rows are padded to 16 bytes, ours are not)
+once, ``check_rows_identical_<dtype>``, over the bytes before the padding to 16 bytes that
+TorchRec's rows have, and ours on CUDA)
 and their outputs on one batch are compared (``check_max_abs_diff_<dtype>``; where the rows
 differed, each output against its own decoded rows pooled instead, and ``check_note_<dtype>``
 says so). Batches of 512 bags x pooling 20 (offsets ``arange * 20``), Zipf(1.05) ranks over the
@@ -77,6 +78,7 @@ from tqdm import tqdm
 from _common import fixed_mmap_threshold, percentiles, print_targets, same_huge_pages_for_the_baseline, zipf_ranks
 from bench_lookup import batches
 from torchrec_kvzch.serving import ServedTable, decode
+from torchrec_kvzch.serving.table import row_bytes
 
 TARGET_QPS = 0.8
 TARGET_BYTES = 1.3
@@ -137,15 +139,16 @@ def tbe_rows(qebc) -> torch.Tensor:
 def check(table: ServedTable, qebc, universe: torch.Tensor, local: torch.Tensor, offsets: torch.Tensor,
           kjt) -> dict:
     """Whether both tables hold the same bytes, and how far apart their outputs on one batch are."""
-    ours_rows = table.rows[table.slots(universe)]
-    theirs = tbe_rows(qebc)[:, : table.row_bytes]
+    width = row_bytes(table.dim, table.dtype)  # (without the padding to 16 bytes on CUDA)
+    ours_rows = table.rows[table.slots(universe)][:, :width]
+    theirs = tbe_rows(qebc)[:, :width]
     identical = bool(torch.equal(ours_rows, theirs))
     ours, base = table.lookup(universe[local], offsets), qebc(kjt).values()
     tag = table.dtype
     if identical:
         return {f"check_rows_identical_{tag}": True, f"check_max_abs_diff_{tag}": (ours - base).abs().max().item()}
     # Different quantizers: each output against its own rows decoded and pooled.
-    bags = torch.arange(offsets.numel() - 1).repeat_interleave(offsets.diff())
+    bags = torch.arange(offsets.numel() - 1, device=offsets.device).repeat_interleave(offsets.diff())
     diff = 0.0
     for out, rows in ((ours, ours_rows), (base, theirs)):
         reference = torch.zeros_like(out).index_add_(0, bags, decode(rows[local], tag))

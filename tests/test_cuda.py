@@ -236,14 +236,26 @@ def test_serving_a_table_on_cuda_reads_as_on_cpu(dtype, pooling):
         assert gpu.delete(ids[:200].to(CUDA)) == cpu.delete(ids[:200])
     assert len(gpu) == len(cpu) > 1000
     if CUDA.type == "cuda":
-        assert gpu.rows.device == CUDA and gpu.id_map.backend.name == "triton" and gpu.row_bytes % 16 == 0
+        assert gpu.rows.device.type == CUDA.type and gpu.id_map.backend.name == "triton" and gpu.row_bytes % 16 == 0
     query = torch.cat([universe[:500], torch.randint(0, top, (100,), generator=gen)])
     assert torch.equal(gpu.weights(query.to(CUDA)).cpu(), cpu.weights(query))
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.sort(torch.randint(0, 601, (149,), generator=gen)).values,
                          torch.tensor([600])])
     weights = None if pooling == "none" else torch.rand(600, generator=gen)
-    got = gpu.lookup(query.to(CUDA), offsets.to(CUDA), None if weights is None else weights.to(CUDA))
-    torch.testing.assert_close(got.cpu(), cpu.lookup(query, offsets, weights), rtol=1e-5, atol=1e-4)
+    got = gpu.lookup(query.to(CUDA), offsets.to(CUDA), None if weights is None else weights.to(CUDA)).cpu()
+    expected = cpu.lookup(query, offsets, weights)
+    if dtype == "int8" and CUDA.type == "cuda":
+        # fbgemm's CUDA int8 kernel dequantizes in half precision (hfma2): each value is within half
+        # an fp16 ulp (<= |v| * 2**-11) of the CPU's fp32 decoding, and the bags pool those errors.
+        slack = cpu.weights(query).abs() * 2**-11
+        if pooling != "none":
+            bags = torch.arange(offsets.numel() - 1).repeat_interleave(offsets.diff())
+            slack = torch.zeros_like(expected).index_add_(0, bags, slack * weights.unsqueeze(1))
+            if pooling == "mean":
+                slack /= torch.zeros(len(expected)).index_add_(0, bags, weights).unsqueeze(1) + 1e-6
+        assert ((got - expected).abs() <= slack * 1.001 + 1e-5).all()
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match=rf"served table 't': id {top} \(position 1 of the batch\) is outside"):
         gpu.lookup(torch.tensor([5, top], device=CUDA), torch.tensor([0, 2], device=CUDA))
     twin = gpu.copy()

@@ -335,6 +335,28 @@ def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
         check_args(parse_args(["--config", str(few), "--nproc", "4"]), 4)
 
 
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_device_auto_takes_a_gpu_per_process_or_the_cpu(monkeypatch, gpus):
+    """Each process on the machine needs a GPU of its own: 'auto' on a machine with fewer GPUs
+    than processes trains on the CPU; an explicit 'cuda' there is refused with the fix."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    args = parse_args(["--config", QUICKSTART, "--nproc", "2"])
+    check_args(args, 2)
+    assert args.device == ("cuda" if gpus >= 2 else "cpu")
+    if gpus < 2:
+        fix = "--nproc 1 or fewer, or --device cpu" if gpus else "use --device cpu"
+        with pytest.raises(SystemExit, match=f"2 process.*need one GPU each and it has {gpus}; .*{fix}"):
+            check_args(parse_args(["--config", QUICKSTART, "--nproc", "2", "--device", "cuda"]), 2)
+    else:
+        cuda = parse_args(["--config", QUICKSTART, "--nproc", "2", "--device", "cuda"])
+        check_args(cuda, 2)
+        assert cuda.device == "cuda"
+    cpu = parse_args(["--config", QUICKSTART, "--nproc", "2", "--device", "cpu"])
+    check_args(cpu, 2)
+    assert cpu.device == "cpu"
+
+
 def test_console_script_is_installed():
     try:
         importlib.metadata.distribution("torchrec-kvzch")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
+
+import torch
 
 from torchrec_kvzch.job import config_path
 from torchrec_kvzch.params import AdmissionPolicy
@@ -48,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="print the sharding plan and the memory it plans per rank, then stop")
     p.add_argument("--timeout-s", type=float, default=300.0, help="collectives give up after this long")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: a GPU per process when this machine has enough of them, else the CPU")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
     p.add_argument("--summary", default=None,
                    help="this run's summary JSON (default <run-dir>/summary.json; every run's summary is "
@@ -91,6 +95,18 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise SystemExit(f"--resume {args.resume!r}: use 'auto', 'none' or a step number")
     if args.crash_drill is not None:
         parse_crash_drill(args.crash_drill)
+    args.device = job_device(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+
+def job_device(device: str, local_ranks: int) -> str:
+    """'cpu' or 'cuda' for every rank: each rank on this machine needs a GPU of its own, so
+    'auto' takes the GPUs only when there are enough, and 'cuda' without enough is refused."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < local_ranks:
+        fix = f"--nproc {gpus} or fewer, or --device cpu" if gpus else "--device cpu"
+        raise SystemExit(f"--device cuda: {local_ranks} process(es) on this machine need one GPU each and it has "
+                         f"{gpus}; use {fix}")
+    return "cuda" if device == "cuda" or (device == "auto" and gpus >= local_ranks > 0) else "cpu"
 
 
 def parse_admission(text: str) -> AdmissionPolicy:

@@ -102,9 +102,8 @@ def dry_run(args: argparse.Namespace, world_size: int) -> int:
     """Print the plan and the memory it expects per rank, without starting any process."""
     quiet()
     config = job_config(args)
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     model = dlrm(config, torch.device("meta"))
-    plan, memory = plan_model(config, model, "cuda" if use_cuda else "cpu", world_size,
+    plan, memory = plan_model(config, model, args.device, world_size,
                               args.global_batch_size // world_size)
     print(f"{plan}\n{memory.format()}\n(dry run of {args.config} on {world_size} rank(s): nothing trained)")
     return 0

@@ -56,7 +56,7 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        use_cuda = args.device == "cuda"  # (check_args resolved 'auto')
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(self.device)

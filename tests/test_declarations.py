@@ -59,6 +59,21 @@ def config(policy=None, cls=EmbeddingBagConfig, name="t", **fields):
     (TimestampBasedEvictionPolicy(eviction_ttl_mins=5),
      KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=3)),
      EvictionPolicy(kind="ttl", ttl_minutes=5, trigger="manual")),
+    (FeatureScoreBasedEvictionPolicy(training_id_eviction_trigger_count=800, training_id_keep_count=600,
+                                     decay_rate=0.9),
+     KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=4,
+                                                     threshold_calculation_bucket_stride=0.5,
+                                                     threshold_calculation_bucket_num=1000)),
+     EvictionPolicy(kind="feature_score", keep_rows=600, count_decay=0.9, score_bucket_width=0.5,
+                    score_buckets=1000, trigger="rows", trigger_rows=800)),
+    (FeatureScoreBasedEvictionPolicy(training_id_keep_count=600, enable_auto_feature_score_collection=True,
+                                     feature_score_mapping={"f_t": 2.0}, feature_score_default_value=0.5), MEMORY,
+     EvictionPolicy(kind="feature_score", keep_rows=600, count_decay=0.99, feature_scores={"f_t": 2.0},
+                    default_feature_score=0.5, trigger="bytes", trigger_bytes=4 << 30)),
+    (FeatureScoreBasedEvictionPolicy(training_id_keep_count=600, enable_eviction=False), None,
+     EvictionPolicy(kind="feature_score", keep_rows=600, count_decay=0.99, trigger="manual")),
+    (FeatureScoreBasedEvictionPolicy(eviction_ttl_mins=30, training_id_keep_count=600), MEMORY,
+     EvictionPolicy(kind="ttl", ttl_minutes=30, trigger="bytes", trigger_bytes=4 << 30)),
     (TimestampBasedEvictionPolicy(eviction_ttl_mins=5),
      KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=5,
                                                      eviction_free_mem_threshold_gb=2,
@@ -73,7 +88,11 @@ def test_every_upstream_eviction_policy_maps_to_ours(policy, key_value, expected
 
 @pytest.mark.parametrize("policy, key_value, message", [
     (FeatureScoreBasedEvictionPolicy(enable_auto_feature_score_collection=True), MEMORY,
-     "FeatureScoreBasedEvictionPolicy is not supported"),
+     "training_id_keep_count is 0: each pass would evict every row"),
+    (FeatureScoreBasedEvictionPolicy(training_id_keep_count=5, feature_score_mapping={"f_t": 1.0}), MEMORY,
+     "feature_score_mapping is read only with enable_auto_feature_score_collection=True"),
+    (FeatureScoreBasedEvictionPolicy(training_id_keep_count=5, enable_auto_feature_score_collection=True,
+                                     feature_score_mapping={"f_t": -1.0}), MEMORY, "numbers >= 0"),
     (TimestampBasedEvictionPolicy(), None, "l2_cache_size .* is not set"),
     (TimestampBasedEvictionPolicy(), KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=1)),
      "mode 1 .* has no N"),
@@ -207,7 +226,7 @@ def test_our_planner_plans_upstream_declarations_without_a_batch_size():
     with pytest.raises(ValueError, match="KV-ZCH table 'user': constraint compute_kernels=\\['fused'\\]"):
         KVZCHShardingPlanner(topology, constraints={"user": ParameterConstraints(compute_kernels=["fused"])}).plan(
             upstream_model(), kvzch_sharders())
-    with pytest.raises(ValueError, match="FeatureScoreBasedEvictionPolicy is not supported"):
+    with pytest.raises(ValueError, match="training_id_keep_count is 0"):
         KVZCHShardingPlanner(topology).plan(upstream_model(FeatureScoreBasedEvictionPolicy()), kvzch_sharders())
 
 

@@ -27,6 +27,7 @@ POLICIES = {
     "ttl": dict(kind="ttl", ttl_steps=3, interval_steps=2),
     "ttl_rows": dict(kind="ttl", ttl_steps=3, trigger="rows", trigger_rows=150),
     "l2": dict(kind="l2", l2_threshold=1.15, interval_steps=3),
+    "feature_score": dict(kind="feature_score", keep_rows=120, count_decay=0.8, trigger="rows", trigger_rows=150),
 }
 _dirs = itertools.count()
 
@@ -49,15 +50,16 @@ def pair(root, p: KVZCHTableParams, cache_rows: int, world: int, rank: int, budg
 
 
 def train(shards, gen, universe, steps: int) -> None:
-    """``steps`` steps of every (disk, dram) shard on the same batches and gradients, each shard
-    fed the batch's ids of its buckets; their outputs must agree."""
+    """``steps`` steps of every (disk, dram) shard on the same batches, scores (a feature-score
+    table's) and gradients, each shard fed the batch's ids of its buckets; their outputs must agree."""
     for _ in range(steps):
         ids = universe[torch.randint(0, universe.numel(), (32,), generator=gen)]
+        scores = torch.randint(0, 8, (32,), generator=gen) / 4
         for disk, dram in shards:
             r = disk.store.bucket_range
-            mine = ids[(ids >= r.id_start) & (ids < r.id_end)]
-            offsets = torch.arange(mine.numel() + 1)
-            out, want = disk(mine, offsets), dram(mine, offsets)
+            mine = (ids >= r.id_start) & (ids < r.id_end)
+            offsets = torch.arange(int(mine.sum()) + 1)
+            out, want = (t(ids[mine], offsets, scores=scores[mine]) for t in (disk, dram))
             assert torch.equal(out, want)
             grad = torch.randn(want.shape, generator=gen)
             out.backward(grad)

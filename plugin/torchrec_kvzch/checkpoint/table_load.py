@@ -69,7 +69,7 @@ class TableLoad:
             slots = torch.nonzero((keys >= theirs.id_start) & (keys < theirs.id_end)).view(-1)
             meta = store.read(slots, RowPart.META).reshape(-1)
             for factor in factors:
-                meta = decayed(meta, factor)
+                meta = decayed(meta, factor, scores=store.evictor.scored)
             store.write(slots, meta.unsqueeze(1), RowPart.META)
 
     def receive_deleted(self, ids: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ class EvictionKind(str, enum.Enum):
     LFU = "lfu"  # decay access counts, drop rows whose count falls below count_threshold
     LRU = "lru"  # under a budget, drop the least recently touched rows first
     L2 = "l2"  # drop rows whose weights' L2 norm is below l2_threshold
+    FEATURE_SCORE = "feature_score"  # keep about keep_rows rows: those with the highest feature scores
 
 
 class EvictionTrigger(str, enum.Enum):
@@ -46,10 +47,20 @@ class EvictionPolicy:
     ``free_memory_bytes`` of available host memory (checked every ``interval_steps``), or on
     request only (``manual``).
 
+    ``feature_score`` keeps a score per row, in its header's count field (a float, as upstream):
+    each training lookup adds the scores of the id's occurrences - ``feature_scores[feature]``
+    when given (TorchRec's automatic collection; ``default_feature_score`` for the features it
+    lacks), else the batch's KJT weights, which then never scale an output. A pass first decays
+    every score by ``count_decay``, then drops the lowest, as fbgemm chooses them: scores fall
+    into ``score_buckets`` buckets of ``score_bucket_width`` (bucket 0 holds the zeros), and the
+    rows of the lowest buckets that leave at most ``keep_rows`` go (every zero-score row, when
+    those alone are enough; a bucket's worth more than needed otherwise).
+
     A budget (``max_rows`` and/or ``max_bytes`` per table shard) is enforced before every
     insert: the policy's least valuable rows go first (oldest timestamp for ``lru``, ``ttl`` and
-    ``l2``, lowest count for ``lfu``). Rows of the batch being looked up are never evicted for it.
-    ``table_max_rows`` / ``table_max_bytes`` give the budget of the whole table instead: each
+    ``l2``, lowest count for ``lfu``, lowest score for ``feature_score``, then oldest). Rows of
+    the batch being looked up are never evicted for it. ``table_max_rows`` /
+    ``table_max_bytes`` give the budget of the whole table instead: each
     shard takes its share, in proportion to its buckets (``for_shard``), so the table's total
     holds at any world size. Given both, each shard keeps the smaller.
 
@@ -72,6 +83,11 @@ class EvictionPolicy:
     free_memory_bytes: int | None = None
     table_max_rows: int | None = None
     table_max_bytes: int | None = None
+    keep_rows: int | None = None
+    feature_scores: dict[str, float] | tuple[tuple[str, float], ...] | None = None
+    default_feature_score: float | None = None
+    score_bucket_width: float = 0.2
+    score_buckets: int = 1_000_000
 
     def validate(self, table: str) -> "EvictionPolicy":
         def fail(problem: str):
@@ -86,8 +102,7 @@ class EvictionPolicy:
                 fail(f"eviction.{name} must be a positive integer, got {value!r}")
         for name in ("ttl_minutes", "l2_threshold"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                          and math.isfinite(value) and value > 0):
+            if value is not None and not (_finite(value) and value > 0):
                 fail(f"eviction.{name} must be a positive number, got {value!r}")
         if self.ttl_steps is not None and self.ttl_minutes is not None:
             fail("eviction.ttl_steps and eviction.ttl_minutes are two TTLs; give one")
@@ -112,19 +127,68 @@ class EvictionPolicy:
         if kind is EvictionKind.NONE and budget:
             given = ("max_rows / max_bytes" if self.max_rows or self.max_bytes
                      else "table_max_rows / table_max_bytes")
-            fail(f"a budget (eviction.{given}) needs eviction.kind lru, ttl, lfu or l2, which decides "
-                 "the rows that go first")
+            fail(f"a budget (eviction.{given}) needs eviction.kind lru, ttl, lfu, l2 or feature_score, "
+                 "which decides the rows that go first")
         need = {EvictionTrigger.ROWS: "trigger_rows", EvictionTrigger.BYTES: "trigger_bytes",
                 EvictionTrigger.FREE_MEMORY: "free_memory_bytes"}
         for trig, name in need.items():
             if (trigger is trig) != (getattr(self, name) is not None):
                 fail(f"eviction.{name} goes with eviction.trigger '{trig.value}' (and it needs it)")
         if trigger is not EvictionTrigger.INTERVAL and kind in (EvictionKind.NONE, EvictionKind.LRU):
-            fail(f"eviction.trigger '{trigger.value}' starts a pass of a ttl, lfu or l2 policy; "
+            fail(f"eviction.trigger '{trigger.value}' starts a pass of a ttl, lfu, l2 or feature_score policy; "
                  f"kind '{kind.value}' has none")
         if not 0.0 < float(self.count_decay) <= 1.0:
             fail(f"eviction.count_decay must be in (0, 1], got {self.count_decay!r}")
-        return dataclasses.replace(self, kind=kind, trigger=trigger, count_decay=float(self.count_decay))
+        scores = self._scores(kind, fail)
+        return dataclasses.replace(self, kind=kind, trigger=trigger, count_decay=float(self.count_decay), **scores)
+
+    def _scores(self, kind: EvictionKind, fail) -> dict:
+        """The feature-score fields, checked (``feature_scores`` as sorted pairs)."""
+        scored = kind is EvictionKind.FEATURE_SCORE
+        given = [n for n in ("keep_rows", "feature_scores", "default_feature_score") if getattr(self, n) is not None]
+        if not scored:
+            if given:
+                fail(f"eviction.{given[0]} has no effect with eviction.kind '{kind.value}'; drop it or "
+                     "use kind 'feature_score'")
+            return {}
+        if not positive_int(self.keep_rows):
+            fail(f"eviction.kind 'feature_score' needs eviction.keep_rows (the rows a pass keeps per table "
+                 f"shard) as a positive integer, got {self.keep_rows!r}")
+        if not positive_int(self.score_buckets) or self.score_buckets < 2:
+            fail(f"eviction.score_buckets must be an integer >= 2, got {self.score_buckets!r}")
+        if not _finite(self.score_bucket_width) or self.score_bucket_width <= 0:
+            fail(f"eviction.score_bucket_width must be a positive number, got {self.score_bucket_width!r}")
+        pairs = self.feature_scores
+        if pairs is not None:
+            try:
+                pairs = tuple(sorted(dict(pairs).items()))
+            except (TypeError, ValueError):
+                fail(f"eviction.feature_scores must map feature names to numbers, got {pairs!r}")
+            for feature, score in pairs:
+                if not isinstance(feature, str) or not _finite(score) or score < 0:
+                    fail(f"eviction.feature_scores maps feature names to numbers >= 0; got {feature!r}: {score!r}")
+            pairs = tuple((f, float(v)) for f, v in pairs)
+        default = self.default_feature_score
+        if default is not None:
+            if pairs is None:
+                fail("eviction.default_feature_score goes with eviction.feature_scores (scores by feature); "
+                     "without them the scores are the batch's KJT weights")
+            if not _finite(default) or default < 0:
+                fail(f"eviction.default_feature_score must be a number >= 0, got {default!r}")
+            default = float(default)
+        return dict(feature_scores=pairs, default_feature_score=default,
+                    score_bucket_width=float(self.score_bucket_width))
+
+    def feature_score(self, feature: str, table: str) -> float:
+        """The score each occurrence of ``feature`` adds (``feature_scores``, else the default)."""
+        scores = dict(self.feature_scores or ())
+        if feature in scores:
+            return scores[feature]
+        if self.default_feature_score is None:
+            raise ValueError(f"KV-ZCH table '{table}': feature '{feature}' has no score in "
+                             f"eviction.feature_scores {sorted(scores)} and there is no "
+                             "eviction.default_feature_score; add it to one of them")
+        return self.default_feature_score
 
     @property
     def enabled(self) -> bool:
@@ -149,6 +213,10 @@ class EvictionPolicy:
                     f"least {least}, or give a budget per shard (eviction.{own})")
             limits[own] = share if getattr(self, own) is None else min(getattr(self, own), share)
         return dataclasses.replace(self, table_max_rows=None, table_max_bytes=None, **limits)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,10 @@ from torchrec_kvzch.table.layout import (
     decayed,
     meta_count,
     meta_count_then_timestamp,
+    meta_score,
     meta_timestamp,
     meta_timestamp_view,
+    touch_scores,
     weight_norms,
 )
 
@@ -86,8 +88,8 @@ def budget_rows(policy: EvictionPolicy | RankBudget, bytes_for_rows) -> int | No
 
 
 def order_key(meta: torch.Tensor, order: EvictionKind) -> torch.Tensor:
-    """Per row, a key that is smaller for rows that should go first: the count then the
-    timestamp for ``lfu``, the timestamp otherwise."""
+    """Per row, a key that is smaller for rows that should go first: the count (a feature
+    score's bits order as the score) then the timestamp for ``lfu``, the timestamp otherwise."""
     if order is EvictionKind.LFU:
         return meta_count_then_timestamp(meta)
     return meta_timestamp_view(meta)
@@ -153,6 +155,7 @@ class Evictor:
         params, r = store.params, store.bucket_range
         self.policy = params.eviction.for_shard(r.start, r.end, params.total_num_buckets, params.name)
         self.kind = EvictionKind(self.policy.kind)
+        self.scored = self.kind is EvictionKind.FEATURE_SCORE  # scores, not counts, in the headers
         self.max_rows = budget_rows(self.policy, lambda rows: budget_bytes(store, rows))
         if params.eviction.table_max_bytes is not None and self.max_rows == 0:
             one = budget_bytes(store, 1)
@@ -186,6 +189,25 @@ class Evictor:
         if self.shared is not None:
             evicted += self.shared.make_room(self.store, ids)
         return evicted
+
+    def check_scores(self, scores: torch.Tensor | None) -> None:
+        """Refuse a batch's scores that fbgemm's running sum of ``|score|`` would not add up."""
+        if scores is None or not scores.numel() or bool((scores >= 0).all()):
+            return
+        at = int(torch.nonzero(~(scores >= 0))[0])
+        raise ValueError(f"KV-ZCH table '{self.store.params.name}': feature score {float(scores[at])} at position "
+                         f"{at} of the batch; scores must be >= 0 (fbgemm keeps |score| after each "
+                         "occurrence, so a negative one has no order-free meaning): check the KJT's weights "
+                         "or eviction.feature_scores")
+
+    def touch(self, slots: torch.Tensor, scores: torch.Tensor | None) -> None:
+        """A training lookup's header update: timestamps, and the access counts (the id map's
+        kernels) or, in a feature-score table, the scores (``scores`` per slot)."""
+        store = self.store
+        if self.scored:
+            touch_scores(store.meta, slots, scores, store.clock, store.native)
+        else:
+            store.id_map.backend.touch(store.meta, slots, store.clock)
 
     def loaded(self) -> None:
         """A load replaced or changed the rows (``RowStore.restore_history``, which every load
@@ -227,7 +249,7 @@ class Evictor:
             survivors = shard_rows(store) - int(doomed.sum())
             if survivors + new > self.max_rows:
                 target = self.max_rows - self.max_rows // 64
-                order = EvictionKind.LFU if self.kind is EvictionKind.LFU else EvictionKind.LRU
+                order = EvictionKind.LFU if self.kind in (EvictionKind.LFU, EvictionKind.FEATURE_SCORE) else EvictionKind.LRU
                 key = order_key(shard_meta(store), order)
                 [extra] = least_valuable([store], [~(protected | doomed)], [key],
                                          lambda removed: survivors - removed[0] + new <= target)
@@ -257,10 +279,12 @@ class Evictor:
         if self.kind is not EvictionKind.TTL and policy.count_decay < 1.0:
             store.before_header_rewrite(decay=policy.count_decay)
             for words in _meta_parts(store):
-                words.copy_(decayed(words, policy.count_decay))
+                words.copy_(decayed(words, policy.count_decay, scores=self.scored))
         meta = shard_meta(store)
         if self.kind is EvictionKind.TTL:
             return self._past_ttl(meta)
+        if self.scored:
+            return lowest_scores(meta_score(meta), policy.keep_rows, policy.score_bucket_width, policy.score_buckets)
         rare = meta_count(meta) < policy.count_threshold
         if policy.ttl_steps is None and policy.ttl_minutes is None:
             return rare
@@ -296,7 +320,28 @@ class Evictor:
         return fresh[0] if fresh else self.store.clock + 1
 
 
-_PASS_KINDS = (EvictionKind.TTL, EvictionKind.LFU, EvictionKind.L2)
+_PASS_KINDS = (EvictionKind.TTL, EvictionKind.LFU, EvictionKind.L2, EvictionKind.FEATURE_SCORE)
+_ZERO_SCORE = 1e-9  # (fbgemm's: a score below it is none)
+
+
+def lowest_scores(scores: torch.Tensor, keep: int, width: float, buckets: int) -> torch.Tensor:
+    """The rows a feature-score pass drops, chosen as fbgemm's ``FeatureScoreBasedEvict`` does:
+    none if at most ``keep`` rows; every zero score if those alone leave at most ``keep``;
+    else, with scores in buckets (0: zero; ``b``: ``[(b - 1) * width, b * width)``; the last
+    also every higher score), the smallest ``b`` whose buckets up to it hold enough rows, and
+    every row scoring at most ``b * width`` goes."""
+    excess = scores.numel() - keep
+    zero = scores.abs() < _ZERO_SCORE
+    if excess <= 0:
+        return torch.zeros_like(zero)
+    if int(zero.sum()) >= excess:
+        return zero
+    wide = scores.double()
+    bucket = torch.where(zero, 0, ((wide / width).long() + 1).clamp(max=buckets - 1))
+    bucket[wide >= buckets * width] = buckets - 1
+    held = torch.bincount(bucket, minlength=buckets).cumsum(0)
+    cut = max(1, int(torch.searchsorted(held, excess)))
+    return wide <= cut * width
 
 
 def _available_memory() -> int:

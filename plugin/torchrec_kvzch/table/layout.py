@@ -72,10 +72,45 @@ def with_count(meta: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return (meta & ~(COUNT_MAX << 32)) | ((count & COUNT_MAX) << 32)
 
 
-def decayed(meta: torch.Tensor, factor: float) -> torch.Tensor:
-    """Header words with their access counts decayed, ``count := floor(count * factor)``: lfu
-    eviction's decay, and its replay when an incremental checkpoint is applied."""
+def decayed(meta: torch.Tensor, factor: float, scores: bool = False) -> torch.Tensor:
+    """Header words with their access counts decayed, ``count := floor(count * factor)``, or
+    with ``scores`` their feature scores, ``score := fp32(score * factor)`` (the product in
+    fp64, as fbgemm's): lfu and feature_score eviction's decay, and its replay when an
+    incremental checkpoint is applied."""
+    if scores:
+        return with_score(meta, (meta_score(meta).double() * factor).float())
     return with_count(meta, (meta_count(meta).double() * factor).floor().long())
+
+
+# A feature-score table keeps each row's score in the count field: the fp32 bits of |score|
+# (the sign bit dropped, as upstream stores it), so that, as integers, they order as the scores.
+def meta_score(meta: torch.Tensor) -> torch.Tensor:
+    return meta_count(meta).to(torch.int32).view(torch.float32)
+
+
+def with_score(meta: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    return with_count(meta, score.float().abs().contiguous().view(torch.int32).long())
+
+
+def touch_scores(meta: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor | None, clock: int,
+                 native: bool) -> None:
+    """A feature-score table's lookup: timestamp := clock, and each row's score grows by the
+    scores of its occurrences (``scores`` per slot, >= 0; None: by nothing), in place. The
+    native op adds them one by one in batch order, as fbgemm does; this twin adds their fp32
+    sum per row (the same but for the rounding of that sum)."""
+    if native:
+        scores = torch.zeros(slots.numel()) if scores is None else scores.float().contiguous()
+        torch.ops.kvzch.touch_scores(meta, slots, scores, clock)
+        return
+    rows, where = torch.unique(slots, return_inverse=True)
+    old = meta[rows]
+    stamped = (old & ~TS_MASK) | (clock & TS_MASK)
+    if scores is None:
+        meta[rows] = stamped
+        return
+    added = torch.zeros(rows.numel(), dtype=torch.float32, device=meta.device)
+    added.index_add_(0, where, scores.to(meta.device, torch.float32))
+    meta[rows] = with_score(stamped, meta_score(old) + added)
 
 
 def weight_norms(weights: torch.Tensor) -> torch.Tensor:

@@ -102,26 +102,26 @@ class RowStore:
     estimated_bytes = staticmethod(estimated_bytes)  # (arrays.py: what the planner counts)
 
     # -- training -----------------------------------------------------------------------------
-    def lookup_for_update(self, ids: torch.Tensor) -> torch.Tensor:
-        """The slots of a training batch: one step of the clock, admission (``admission.py``:
-        -1 for ids not admitted yet), eviction, then ``find_or_insert``. Under a pending update
-        neither eviction (a delete moves rows) nor growth (the update would land in the dropped
-        arrays) can happen: refused."""
+    def lookup_for_update(self, ids: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """A training batch's slots: a clock step, admission (-1: not admitted yet), eviction, then
+        ``find_or_insert`` (``scores``: per id, for a feature-score table). Under a pending update,
+        eviction (a delete moves rows) and growth (it drops the arrays written) are refused."""
         if self._pending and len(self) + ids.numel() > self.capacity:
             raise self._pending.refuse_growth(self.params.name, self.capacity)
+        self.evictor.check_scores(scores)
         self.clock += 1
         ok = None
         if self.admission is not None:
             ids = as_ids(ids, self.device, check=False)  # range: checked by find
             ok = self.admission.admit(ids, (self.find(ids) >= 0) | (self.cache is not None and self.cache.known(ids)))
             ok = None if bool(ok.all()) else ok
-        admitted = ids if ok is None else ids[ok]
+        admitted, scores = (ids, scores) if ok is None else (ids[ok], None if scores is None else scores[ok])
         self.evictor.before_insert(admitted)  # over both tiers; its evict is refused under a pending update
         if self.cache is not None:  # the batch's rows on disk come in; the coldest others go out
             self.cache.before_lookup(admitted)
         if ok is None:
-            return self.find_or_insert(admitted)
-        return torch.full_like(ids, -1).masked_scatter_(ok, self.find_or_insert(admitted))
+            return self.find_or_insert(admitted, scores=scores)
+        return torch.full_like(ids, -1).masked_scatter_(ok, self.find_or_insert(admitted, scores=scores))
 
     def expect_update(self, slots: torch.Tensor) -> PendingUpdate:
         """A fused update will write the rows at ``slots`` (``pending.py``)."""
@@ -141,10 +141,10 @@ class RowStore:
         """Slots of ids, -1 where absent. Touches nothing; ids outside the shard are refused."""
         return self._mapped(self.id_map.find, ids)
 
-    def find_or_insert(self, ids: torch.Tensor, touch: bool = True) -> torch.Tensor:
+    def find_or_insert(self, ids: torch.Tensor, touch: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Slots of ids; absent ids get new rows (id-seeded weights, zero optimizer state, header written).
-        With ``touch`` (a lookup) the rows' timestamps become ``clock``, their counts grow by the number
-        of occurrences, and new rows count as inserted; without it (writes, loads) nothing else changes."""
+        With ``touch`` (a lookup) ``Evictor.touch`` stamps the rows' headers and new rows count as
+        inserted; without it (writes, loads) nothing else changes."""
         old = len(self)
         slots = self._mapped(self.id_map.find_or_insert, ids)
         if len(self) > old:
@@ -153,7 +153,7 @@ class RowStore:
                 self.history.count(INSERTED, self.keys()[old:])
         if touch and slots.numel():
             self._before_change(slots)
-            self.id_map.backend.touch(self.meta, slots, self.clock)
+            self.evictor.touch(slots, scores)
         return slots
 
     def delete(self, ids: torch.Tensor, moved: bool = False) -> int:

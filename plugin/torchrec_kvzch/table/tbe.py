@@ -127,10 +127,12 @@ class TableTBE(nn.Module):
         ids: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
+        scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``scores``: per id, what a training lookup adds to a feature-score table's rows."""
         if not (self.training and torch.is_grad_enabled()):
             return self._evaluate(ids, offsets, per_sample_weights)
-        slots = self.store.lookup_for_update(ids)
+        slots = self.store.lookup_for_update(ids, scores)
         self._bind()
         admitted = slots >= 0 if self.store.admission is not None else None
         default_used = not (admitted is None or bool(admitted.all()))

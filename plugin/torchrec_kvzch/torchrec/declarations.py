@@ -198,13 +198,10 @@ def eviction_policy(table: str, policy, key_value_params=None) -> EvictionPolicy
         return EvictionPolicy()
     kind = type(policy).__name__
     if isinstance(policy, FeatureScoreBasedEvictionPolicy):
-        fail("FeatureScoreBasedEvictionPolicy is not supported: the DRAM store keeps no per-id "
-             "feature score (and must never scale outputs by one)",
-             "use TimestampBasedEvictionPolicy, CountBasedEvictionPolicy, "
-             "CountTimestampMixedEvictionPolicy, FeatureL2NormBasedEvictionPolicy or "
-             "NoEvictionPolicy, or KVZCHTableParams(eviction=EvictionPolicy(kind='lru', "
-             "max_rows=...)) to keep the most recent rows")
-    if isinstance(policy, TimestampBasedEvictionPolicy):
+        rule = _feature_score(policy, key_value_params, fail)
+        if not policy.enable_eviction:  # fbgemm never evicts it: no trigger of its starts a pass
+            return EvictionPolicy(**rule, trigger="manual").validate(table)
+    elif isinstance(policy, TimestampBasedEvictionPolicy):
         rule = dict(kind="ttl", ttl_minutes=policy.eviction_ttl_mins) if policy.eviction_ttl_mins else None
     elif isinstance(policy, CountBasedEvictionPolicy):
         rule = (dict(kind="lfu", count_threshold=policy.eviction_threshold,
@@ -228,6 +225,31 @@ def eviction_policy(table: str, policy, key_value_params=None) -> EvictionPolicy
         return EvictionPolicy(**rule).validate(table)
     except ValueError as e:
         fail(f"{kind} does not map to an eviction policy ({e})", "check its thresholds")
+
+
+def _feature_score(policy, key_value_params, fail) -> dict:
+    """``FeatureScoreBasedEvictionPolicy`` as fbgemm runs it: a TTL instead of scores when
+    ``eviction_ttl_mins`` is set; scores per feature with automatic collection, else the KJT's
+    weights; the cut's buckets from ``KVZCHTBEConfig``. (With ``enable_eviction=False`` scores
+    are kept and a pass runs only when asked for.)"""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import KVZCHTBEConfig
+
+    if policy.eviction_ttl_mins:  # (the inference_* fields: publishing only, unread in training upstream too)
+        return dict(kind="ttl", ttl_minutes=policy.eviction_ttl_mins)
+    if policy.feature_score_mapping and not policy.enable_auto_feature_score_collection:
+        fail("feature_score_mapping is read only with enable_auto_feature_score_collection=True (without it "
+             "the scores are the KJT's weights)", "set enable_auto_feature_score_collection=True, or drop the mapping")
+    if not policy.training_id_keep_count:
+        fail("FeatureScoreBasedEvictionPolicy.training_id_keep_count is 0: each pass would evict every row",
+             "set the rows to keep per table shard")
+    config = getattr(key_value_params, "kvzch_tbe_config", None) or KVZCHTBEConfig()
+    rule = dict(kind="feature_score", keep_rows=policy.training_id_keep_count, count_decay=policy.decay_rate,
+                score_bucket_width=getattr(config, "threshold_calculation_bucket_stride", 0.2),  # (older fbgemm:
+                score_buckets=getattr(config, "threshold_calculation_bucket_num", None) or 1_000_000)  # its defaults)
+    if policy.enable_auto_feature_score_collection:
+        rule.update(feature_scores=dict(policy.feature_score_mapping or {}),
+                    default_feature_score=policy.feature_score_default_value)
+    return rule
 
 
 def _trigger(table: str, kind: str, policy, key_value_params, fail) -> dict:

@@ -30,6 +30,35 @@ FUSED_PARAMS_KEY = "kvzch_tables"  # fused-params entry carrying the tables' KVZ
 BUDGET_KEY = "kvzch_rank_budget"  # fused-params entry carrying the rank's SharedBudget, if any
 
 
+def _score_source(params: KVZCHTableParams, table: ShardedEmbeddingTable, weighted: bool) -> dict[str, float] | bool:
+    """Where a feature-score table's scores come from, as upstream collects them: a score per
+    feature ({feature: score}: TorchRec's automatic collection) or the KJT's weights (True),
+    which then never scale the lookup. False: the table keeps no scores."""
+    policy = params.eviction
+    if policy.kind != "feature_score":
+        return False
+    if policy.feature_scores is not None:
+        return {f: policy.feature_score(f, params.name) for f in table.feature_names}
+    if weighted:
+        raise ValueError(
+            f"KV-ZCH table '{params.name}': its feature scores would be the KJT's weights, which in a "
+            "weighted EmbeddingBagCollection are pooling weights too (upstream then drops the pooling); "
+            "fix: give scores per feature (eviction.feature_scores, or TorchRec's "
+            "enable_auto_feature_score_collection with feature_score_mapping), or use an unweighted module")
+    return True
+
+
+def _scores(source: dict[str, float] | bool, kjt: KeyedJaggedTensor) -> torch.Tensor | None:
+    """The score of each id of ``kjt`` (see ``_score_source``), or None."""
+    if source is True:
+        weights = kjt.weights_or_none()
+        return None if weights is None else weights.float()
+    if not source:
+        return None
+    per_feature = torch.tensor([source[k] for k in kjt.keys()], dtype=torch.float32, device=kjt.values().device)
+    return per_feature.repeat_interleave(torch.tensor(kjt.length_per_key(), device=per_feature.device))
+
+
 def shard_bucket_range(params: KVZCHTableParams, table: ShardedEmbeddingTable,
                        pg: dist.ProcessGroup | None) -> BucketRange:
     """The buckets of this shard, from TorchRec's shard metadata, checked against our split."""
@@ -105,6 +134,7 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         self.tables = nn.ModuleDict()
         self._row_offsets: list[int] = []
         self._features_per_table: list[int] = []
+        self._score_sources: list[dict[str, float] | bool] = []  # per table, see _score_source
         for table in config.embedding_tables:
             params = by_name.get(table.name)
             if params is None:
@@ -126,6 +156,7 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                 initial_rows=params.expected_shard_rows(buckets), budget=fused.get(BUDGET_KEY))
             self._row_offsets.append(buckets.id_start)
             self._features_per_table.append(table.num_features())
+            self._score_sources.append(_score_source(params, table, pooled and config.is_weighted))
         self._optim = KVZCHFusedOptimizer(
             {f"{name}.weight": torch.empty(0) for name in self.tables},
             {name: tbe.params for name, tbe in self.tables.items()})
@@ -148,10 +179,12 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         parts = (features.split(self._features_per_table) if len(self.tables) > 1 else [features])
         outs = []
         hyper = self._optim.hyper_parameters()
-        for (name, tbe), kjt, offset in zip(self.tables.items(), parts, self._row_offsets):
+        for (name, tbe), kjt, offset, source in zip(self.tables.items(), parts, self._row_offsets,
+                                                    self._score_sources):
             tbe.set_hyper_parameters(*hyper[name])
             ids = kjt.values().long() + offset  # local -> global ids
-            outs.append(tbe(ids, kjt.offsets(), kjt.weights_or_none() if self._weighted else None))
+            outs.append(tbe(ids, kjt.offsets(), kjt.weights_or_none() if self._weighted else None,
+                            _scores(source, kjt)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1 if self._pooled else 0)
 
     # -- what TorchRec's sharded modules call on a kernel ------------------------------------

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 
 namespace kvzch {
@@ -149,6 +150,54 @@ void touch(at::Tensor meta, const at::Tensor& slots, int64_t clock) {
   });
 }
 
+// The header update of a feature-score table's training batch (table/layout.py): timestamp :=
+// clock, and each occurrence adds its score in batch order, as fbgemm adds them: the count
+// field holds the fp32 bits of |score|, and score := |score + w| after each. Lines are owned by
+// threads as in touch, so one thread adds a row's occurrences, in order.
+void touch_scores(at::Tensor meta, const at::Tensor& slots, const at::Tensor& scores, int64_t clock) {
+  TORCH_CHECK(meta.device().is_cpu() && meta.scalar_type() == at::kLong && meta.is_contiguous(),
+              "kvzch touch_scores: meta must be a contiguous int64 CPU tensor");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "kvzch touch_scores: slots must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.numel() == slots.numel(),
+              "kvzch touch_scores: scores must be a contiguous float32 tensor, one per slot");
+  auto* m = reinterpret_cast<uint64_t*>(meta.data_ptr<int64_t>());
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const float* add = scores.data_ptr<float>();
+  const int64_t n = slots.numel();
+  const uint64_t ts = static_cast<uint64_t>(clock) & 0xFFFFFFFFULL;
+  int64_t owners = 1;
+  while (owners * 2 <= at::get_num_threads() && owners * 2 * 8192 <= n) owners *= 2;
+  const uint64_t owner_mask = static_cast<uint64_t>(owners - 1);
+  at::parallel_for(0, owners, 1, [&](int64_t w0, int64_t w1) {
+    constexpr int64_t kBlock = 4096;
+    int64_t mine[kBlock];  // positions in the batch of the slots this thread owns
+    for (int64_t w = w0; w < w1; ++w) {
+      for (int64_t b = 0; b < n; b += kBlock) {
+        int64_t count = 0;
+        for (int64_t i = b; i < std::min(n, b + kBlock); ++i) {  // (branch-free, as owned_slots)
+          mine[count] = i;
+          count += ((static_cast<uint64_t>(s[i]) >> 3) & owner_mask) == static_cast<uint64_t>(w);
+        }
+        for (int64_t k = 0; k < count; ++k) {
+          if (k + kTouchPrefetchDistance < count) {
+            __builtin_prefetch(m + s[mine[k + kTouchPrefetchDistance]], 1);
+          }
+          const int64_t i = mine[k];
+          const uint64_t old = m[s[i]];
+          const uint32_t bits = static_cast<uint32_t>(old >> 32) & 0x7FFFFFFFU;
+          float score;
+          std::memcpy(&score, &bits, sizeof(score));
+          score = std::fabs(score + add[i]);
+          uint32_t out;
+          std::memcpy(&out, &score, sizeof(out));
+          m[s[i]] = (old & (1ULL << 63)) | (static_cast<uint64_t>(out & 0x7FFFFFFFU) << 32) | ts;
+        }
+      }
+    }
+  });
+}
+
 // A buffer in an anonymous mapping of its own. MAP_NORESERVE: the store maps address space
 // for growth it may never use (``regrown`` in native.py), which must not count as committed.
 // Transparent huge pages are advised (on systems where THP is in "madvise" mode): row stores
@@ -200,12 +249,14 @@ TORCH_LIBRARY(kvzch, m) {
   m.def("uniform_by_id_(Tensor(a!) out, Tensor ids, float low, float high, int seed) -> ()");
   m.def("uniform_by_id(Tensor ids, int dim, float low, float high, int seed) -> Tensor");
   m.def("touch(Tensor(a!) meta, Tensor slots, int clock) -> ()");
+  m.def("touch_scores(Tensor(a!) meta, Tensor slots, Tensor scores, int clock) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvzch, CPU, m) {
   m.impl("uniform_by_id_", &kvzch::uniform_by_id_);
   m.impl("uniform_by_id", &kvzch::uniform_by_id);
   m.impl("touch", &kvzch::touch);
+  m.impl("touch_scores", &kvzch::touch_scores);
 }
 
 TORCH_LIBRARY_IMPL(kvzch, Meta, m) { m.impl("uniform_by_id", &kvzch::uniform_by_id_meta); }

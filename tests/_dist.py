@@ -166,3 +166,15 @@ def sharded(module, constraints=None, fused_params=None, batch_size=None, sharde
     plan = planner.collective_plan(module, sharders, dist.group.WORLD)
     return DistributedModelParallel(module, device=torch.device("cpu"), plan=plan, sharders=sharders,
                                     env=ShardingEnv.from_process_group(dist.group.WORLD))
+
+
+def refusals(*attempts, errors=(ValueError, RuntimeError)) -> list[str]:
+    """The messages of the ``attempts`` (callables) that raised one of ``errors``, in order: what
+    a rank sends back when a test checks several refusals in one run."""
+    messages = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except errors as e:
+            messages.append(str(e))
+    return messages

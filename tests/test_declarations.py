@@ -119,9 +119,12 @@ def test_config_fields_are_honoured():
     assert default.init_range[1] == pytest.approx(1.58e-5, rel=1e-2)  # TorchRec's virtual-table default
     with pytest.raises(ValueError, match="data_type INT8 is not supported"):
         table_params(config(data_type=DataType.INT8))
-    for flag in ("enable_embedding_update", "stash_weights", "need_pos"):
+    for flag in ("stash_weights", "need_pos"):
         with pytest.raises(ValueError, match=f"{flag}=True .* is not supported"):
             table_params(config(**{flag: True}))
+    with pytest.raises(ValueError, match="enable_embedding_update=True on a pooled table: TorchRec writes"):
+        table_params(config(enable_embedding_update=True))
+    table_params(config(cls=EmbeddingConfig, enable_embedding_update=True))  # (writes.py; test_writes.py)
     with pytest.raises(ValueError, match="use_virtual_table=True and total_num_buckets"):
         table_params(EmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=ROWS, feature_names=["f"]))
 

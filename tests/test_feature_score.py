@@ -323,11 +323,10 @@ def shard_refused(rank, world):
     from torchrec.modules.embedding_configs import FeatureScoreBasedEvictionPolicy
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from _dist import sharded
+    from _dist import refusals, sharded
     from test_declarations import config
     from torchrec_kvzch.torchrec import KVZCHConstraints, kvzch_embedding_bag_config
 
-    messages = []
     weighted = EmbeddingBagCollection(tables=[config(FeatureScoreBasedEvictionPolicy(training_id_keep_count=5),
                                                      name="user")], is_weighted=True, device=torch.device("meta"))
     native = KVZCHTableParams("user", 16, num_embeddings=2**20, total_num_buckets=8, eviction=EvictionPolicy(
@@ -336,12 +335,8 @@ def shard_refused(rank, world):
                                       device=torch.device("meta"))
     manual = {"user": ParameterConstraints(key_value_params=KeyValueParams(
         kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=3)))}
-    for model, constraints in ((weighted, manual), (unscored, {"user": KVZCHConstraints(kvzch=native)})):
-        try:
-            sharded(model, constraints)
-        except ValueError as e:
-            messages.append(str(e))
-    return messages
+    return refusals(lambda: sharded(weighted, manual),
+                    lambda: sharded(unscored, {"user": KVZCHConstraints(kvzch=native)}), errors=ValueError)
 
 
 def test_what_a_kernel_cannot_score_is_refused_by_name(pools):

@@ -67,6 +67,11 @@ def meta_count_then_timestamp(meta: torch.Tensor) -> torch.Tensor:
     return meta & (_USED_BIT - 1)
 
 
+def with_timestamp(meta: torch.Tensor, clock: int) -> torch.Tensor:
+    """Header words with their timestamps set to ``clock`` (count and used bit kept)."""
+    return (meta & ~TS_MASK) | (clock & TS_MASK)
+
+
 def with_count(meta: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Header words with their access counts replaced by ``count`` (timestamp and used bit kept)."""
     return (meta & ~(COUNT_MAX << 32)) | ((count & COUNT_MAX) << 32)
@@ -104,7 +109,7 @@ def touch_scores(meta: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor |
         return
     rows, where = torch.unique(slots, return_inverse=True)
     old = meta[rows]
-    stamped = (old & ~TS_MASK) | (clock & TS_MASK)
+    stamped = with_timestamp(old, clock)
     if scores is None:
         meta[rows] = stamped
         return

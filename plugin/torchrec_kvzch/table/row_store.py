@@ -31,7 +31,7 @@ from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.history import EVICTED, INSERTED, BucketHistory
 from torchrec_kvzch.table.id_map import IdMap, IdOutOfRange, as_ids
 from torchrec_kvzch.table.initializer import fill_uniform_by_id
-from torchrec_kvzch.table.layout import RowLayout, RowPart, make_meta, meta_used
+from torchrec_kvzch.table.layout import RowLayout, RowPart, make_meta, meta_used, with_timestamp
 from torchrec_kvzch.table.pending import PendingUpdate, PendingUpdates
 
 _MIN_ROWS = 1024
@@ -91,8 +91,7 @@ class RowStore:
 
     @property
     def counters(self) -> dict[str, int]:
-        """What the progress bar and benchmarks show: live rows, rows ever inserted and evicted, bytes
-        held; with admission, new ids admitted and rejected; with a disk tier, its rows and I/O."""
+        """Live rows, rows ever inserted and evicted, bytes; admission's and a disk tier's counters."""
         h = self.history
         out = {"rows": len(self), "inserted": h.inserted, "evicted": h.evicted, "bytes": self.nbytes}
         if self.admission is not None:
@@ -245,9 +244,10 @@ class RowStore:
 
     # -- writes -------------------------------------------------------------------------------
     def write(self, slots: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT,
-              moved: bool = False) -> None:
+              moved: bool = False, stamp: int | None = None) -> None:
         """Overwrite ``part`` of live rows at ``slots`` (whole rows: weight, optimizer and the header's
-        meta word; the key cannot change here). ``moved``: rows back from the disk tier, not a change."""
+        meta word; the key cannot change here). ``moved``: rows back from the disk tier, not a change.
+        ``stamp``: a clock for the rows' timestamps, so that deltas carry the write (TorchRec's writes)."""
         part = RowPart(part)
         if part is RowPart.ID:
             raise ValueError(f"table '{self.params.name}': ids are keys, not values; "
@@ -255,16 +255,19 @@ class RowStore:
         slots = slots.reshape(-1).long()
         values = self.layout.checked(values, slots.numel(), part, self.params.name, self.device)
         self._before_change(slots)
-        if not moved:
+        if not moved and stamp is None:
             self.changes.changed_untracked()  # no stamp: deltas cannot tell these rows
         self.arrays.write(slots, values, part, self.layout, self.native)
+        if stamp is not None:
+            self.meta[slots] = with_timestamp(self.meta[slots], stamp)
 
-    def write_ids(self, ids: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> None:
-        """Write ``part`` of the rows of ids, creating absent rows first. For whole rows the ids
-        must equal the header keys (use ``write_rows`` to take ids from the headers)."""
+    def write_ids(self, ids: torch.Tensor, values: torch.Tensor, part: RowPart = RowPart.WEIGHT,
+                  stamp: int | None = None) -> None:
+        """Write ``part`` of the rows of ids (``stamp``: as in ``write``), creating absent rows first. For
+        whole rows the ids must equal the header keys (``write_rows`` takes ids from the headers)."""
         ids = as_ids(ids, self.device, check=False)  # range: checked by the lookup
         if self.cache is not None and not self.cache.writing:  # rows on disk come in first, in pieces
-            return self.cache.write(ids, values, lambda i, v: self.write_ids(i, v, part))
+            return self.cache.write(ids, values, lambda i, v: self.write_ids(i, v, part, stamp))
         values = self.layout.checked(values, ids.numel(), RowPart(part), self.params.name, self.device)
         if RowPart(part) is RowPart.ROW:
             keys = self.layout.unpack(values)[0]
@@ -274,7 +277,7 @@ class RowStore:
             self.find(ids)  # refuses ids outside the shard, also of rows write_rows skips (unused)
             self.write_rows(values)
             return
-        self.write(self.find_or_insert(ids, touch=False), values, part)
+        self.write(self.find_or_insert(ids, touch=False), values, part, stamp=stamp)
 
     def write_rows(self, rows: torch.Tensor, layout: RowLayout | None = None,
                    optimizer: bool = True, moved: bool = False) -> int:
@@ -308,8 +311,7 @@ class RowStore:
         return keys.numel()
 
     def _slots_to_overwrite(self, keys: torch.Tensor) -> torch.Tensor:
-        """``find_or_insert(touch=False)`` without initialising new rows (written whole next;
-        the id-seeded weights were a third of a load), given room for them (else it grows)."""
+        """``find_or_insert(touch=False)`` without initialising new rows (written whole next), if they fit."""
         if len(self) + keys.numel() > self.capacity:
             return self.find_or_insert(keys, touch=False)
         return self._mapped(self.id_map.find_or_insert, keys)
@@ -321,9 +323,8 @@ class RowStore:
         self.evictor.loaded()  # every load ends here: the next lookup evicts down to the budgets
 
     def reserve(self, rows: int, id_map: bool = True) -> None:
-        """Make room for ``rows`` rows without further copies; deletes never shrink the arrays
-        below it. The row arrays' pages are committed as rows are written, so they cost address
-        space, not memory; the id map's table (``id_map``) is written in full up front (a disk tier's: its own)."""
+        """Room for ``rows`` rows without further copies (deletes never shrink below it); the arrays'
+        pages cost memory once written, the id map's table (``id_map``) is written up front."""
         rows = rows if self.cache is None else self.cache.reserve(rows, id_map)
         self._reserved = max(self._reserved, rows)
         if rows > self.capacity:
@@ -369,8 +370,7 @@ class RowStore:
         return out
 
     def _alloc(self, rows: int) -> None:
-        # Uninitialised on purpose: rows past len(self) are written by _init_rows before use,
-        # and zero-filling a grown table costs more than the copy.
+        # Uninitialised: _init_rows writes rows before use; zero-filling would cost more than a copy.
         ids = self.bucket_range.id_end - self.bucket_range.id_start
         space = max(rows, min(ids, max(_RESERVED_ROWS, 4 * rows)))
         arrays = RowArrays.allocate(self.layout, rows, self.device, self.native, space)

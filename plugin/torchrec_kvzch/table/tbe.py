@@ -120,6 +120,9 @@ class TableTBE(nn.Module):
         self._suffix = "dev" if on_cuda else "host"
         self._hyper = (params.learning_rate, params.eps)
         self._bound: torch.Tensor | None = None
+        # TorchRec's enable_embedding_update: rows come from ``write``; a training lookup makes and
+        # stamps rows as any other, but never trains them (upstream runs it without gradients).
+        self.embedding_cache = False
 
     # -- forward ------------------------------------------------------------------------------
     def forward(
@@ -130,7 +133,10 @@ class TableTBE(nn.Module):
         scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``scores``: per id, what a training lookup adds to a feature-score table's rows."""
-        if not (self.training and torch.is_grad_enabled()):
+        if self.embedding_cache and self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                return self.forward(ids, offsets, per_sample_weights, scores)
+        if not (self.training and (torch.is_grad_enabled() or self.embedding_cache)):
             return self._evaluate(ids, offsets, per_sample_weights)
         slots = self.store.lookup_for_update(ids, scores)
         self._bind()
@@ -145,6 +151,25 @@ class TableTBE(nn.Module):
             decay = (lambda: self._decay(slots, default_used)) if self._decays_itself else None
             out.register_hook(_UpdateHook(self.store, self.store.expect_update(slots), decay))
         return out
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """TorchRec's embedding write: ``rows`` ``[n, D]`` become the weights of ``ids`` (rows created
+        as needed; a repeated id takes its last row), stamped with the next step's clock so that
+        deltas carry them. Refused between a forward and its backward, and for ids of other shards."""
+        store = self.store
+        if store.pending_update is not None:
+            raise RuntimeError(f"KV-ZCH table '{self.params.name}': an embedding write cannot run between a "
+                               "forward and its backward; write after the step")
+        ids = ids.to(store.device).long()
+        rows = torch.as_tensor(rows, device=store.device)
+        if rows.dim() != 2 or rows.shape != (ids.numel(), self.params.embedding_dim):
+            raise ValueError(f"KV-ZCH table '{self.params.name}': an embedding write needs one row of "
+                             f"{self.params.embedding_dim} values per id, got {tuple(rows.shape)} for "
+                             f"{ids.numel()} ids")
+        unique, where = torch.unique(ids, return_inverse=True)
+        last = torch.full_like(unique, -1).scatter_reduce_(0, where, torch.arange(ids.numel(), device=ids.device),
+                                                          "amax")
+        store.write_ids(unique, rows[last].to(store.weights.dtype), stamp=store.clock + 1)
 
     def _decay(self, slots: torch.Tensor, default_used: bool) -> None:
         """Decoupled weight decay, as the update starts: the rows it will write (and the default

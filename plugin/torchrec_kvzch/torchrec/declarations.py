@@ -30,6 +30,7 @@ from torchrec.modules.embedding_configs import (
     CountBasedEvictionPolicy,
     CountTimestampMixedEvictionPolicy,
     DataType,
+    EmbeddingBagConfig,
     FeatureL2NormBasedEvictionPolicy,
     FeatureScoreBasedEvictionPolicy,
     NoEvictionPolicy,
@@ -120,10 +121,13 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
              "set both in its EmbeddingBagConfig / EmbeddingConfig")
     if config.data_type not in _DTYPES:
         fail(f"data_type {config.data_type} is not supported", "use DataType.FP32 or DataType.FP16")
-    for flag, why in (("enable_embedding_update", "writing embeddings from outside training"),
-                      ("stash_weights", "stashing weights"), ("need_pos", "position-weighted features")):
+    for flag, why in (("stash_weights", "stashing weights"), ("need_pos", "position-weighted features")):
         if getattr(config, flag, False):
             fail(f"{flag}=True ({why}) is not supported by the DRAM row store", f"set {flag}=False")
+    if getattr(config, "enable_embedding_update", False) and isinstance(config, EmbeddingBagConfig):
+        fail("enable_embedding_update=True on a pooled table: TorchRec writes embeddings into "
+             "EmbeddingCollection tables only (DistributedModelParallel.write)",
+             "declare the table in an EmbeddingCollection (EmbeddingConfig), or set enable_embedding_update=False")
     storage = disk_storage(kernel, key_value_params)
     if kernel != KVZCH_KERNEL and not storage.enabled:
         _notice(name, kernel, f"'{kernel}' is served by the DRAM row store: its rows live in host memory "

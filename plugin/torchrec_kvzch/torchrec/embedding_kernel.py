@@ -163,6 +163,9 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         # TorchRec hands weights to every kernel of a weighted module only; a KJT may carry
         # others (e.g. feature scores), which must never scale a lookup.
         self._weighted = pooled and config.is_weighted
+        if config.enable_embedding_update:  # an embedding cache, written by DMP.write (writes.py)
+            for tbe in self.tables.values():
+                tbe.embedding_cache = True
 
     @property
     def config(self) -> GroupedEmbeddingConfig:
@@ -186,6 +189,13 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
             outs.append(tbe(ids, kjt.offsets(), kjt.weights_or_none() if self._weighted else None,
                             _scores(source, kjt)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1 if self._pooled else 0)
+
+    def update(self, embeddings: KeyedJaggedTensor) -> None:
+        """TorchRec's embedding write, after its write distribution: the KJT's (local) ids, each
+        with its row in ``weights()`` ``[n, D]``, become the rows of this rank's stores."""
+        parts = (embeddings.split(self._features_per_table) if len(self.tables) > 1 else [embeddings])
+        for tbe, kjt, offset in zip(self.tables.values(), parts, self._row_offsets):
+            tbe.write(kjt.values().long() + offset, kjt.weights())
 
     # -- what TorchRec's sharded modules call on a kernel ------------------------------------
     # The rows live in the store, not in parameters: nothing is exposed as a parameter or

@@ -50,6 +50,7 @@ from torchrec_kvzch.torchrec.embedding_kernel import BUDGET_KEY, FUSED_PARAMS_KE
 from torchrec_kvzch.torchrec.pretrained import sharded_with_rows, without_kvzch_weights
 from torchrec_kvzch.torchrec.tables import kvzch_kernels, kvzch_tables
 from torchrec_kvzch.torchrec.validation import BatchChecker
+from torchrec_kvzch.torchrec.writes import BucketedWriteDist
 from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.tbe import WEIGHTED_MEAN_EPS
 from torchrec_kvzch.table.layout import RowPart
@@ -87,9 +88,8 @@ class KVZCHParameterSharding(ParameterSharding):
 def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict | None,
                budget: SharedBudget | None = None) -> dict[str, ParameterSharding]:
     """A module's plan with its KV-ZCH tables moved to ``STORE_KERNEL``, each carrying its
-    parameters (from our planner, else read from its declarations), the module's group of
-    them and the rank ``budget``, which reach the kernel as fused params. Other tables'
-    entries are returned as they are."""
+    parameters (from our planner, else its declarations), the module's group of them and the
+    rank ``budget``, which reach the kernel as fused params; other tables' entries unchanged."""
     by_name = {c.name: c for c in configs}
     chosen = {}
     for name, sharding in plan.items():
@@ -100,7 +100,6 @@ def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict |
         if explicit is None and kernel == STORE_KERNEL:
             raise ValueError(f"table '{name}' is planned on {STORE_KERNEL} without KV-ZCH "
                              f"parameters; plan it on {KVZCH_KERNEL} (KVZCHShardingPlanner does)")
-        # (Parameters from our planner come back unchanged: it read the same declarations.)
         params = table_params(by_name[name], KVZCH_KERNEL if kernel == STORE_KERNEL else kernel,
                               sharding.key_value_params, table_fused_params(fused_params, sharding),
                               explicit)
@@ -143,6 +142,9 @@ class KVZCHRwSequenceSharding(RwSequenceEmbeddingSharding):
         return KVZCHSequenceLookup(
             grouped_configs=self._grouped_embedding_configs, pg=self._pg,
             device=device if device is not None else self._device, env=self._env)
+
+    def create_write_dist(self, device=None):  # (writes.py)
+        return BucketedWriteDist(self, device)
 
 
 # -- sharded modules ---------------------------------------------------------------------------
@@ -301,10 +303,9 @@ def _take_kvzch_entries(module, state_dict, prefix, *args) -> None:
     """Removes our tables' entries before TorchRec's own checks, and upstream TorchRec's
     ``{table}.metadata`` (its only entry we lack; any other unknown key is left for TorchRec's
     strict check to report). Entries that are this model's own views (a state dict loaded in
-    place by DCP) need nothing more. Others are rows to load, at the same world size: from
-    ``torch.load``, upstream TorchRec's materialised state dict, or another model's state dict
-    (``model2.load_state_dict(model1.state_dict())``, read chunk by chunk). Upstream TorchRec
-    skips virtual-table weights in this path; we load them, since the rows are at hand. The
+    place by DCP) need nothing more. Others are rows to load, at the same world size (``torch.load``,
+    upstream's materialised state dict, another model's, read chunk by chunk); upstream skips
+    virtual-table weights in this path, we load them, since the rows are at hand. The
     fused optimizer's state views are then rebuilt over the loaded rows, so that its
     ``load_state_dict`` writes the matching optimizer state into them (by each row's id when
     it comes from another model's views)."""

@@ -65,6 +65,37 @@ def test_kernel_on_cuda_trains_like_the_kernel_on_cpu(optimizer, pooling, dtype)
                                    ref.eval()(ids, offsets), **tol)
 
 
+def test_kernel_on_cuda_keeps_feature_scores_and_takes_writes_like_the_cpu():
+    """A feature-score table on CUDA (the torch twin adds the scores) against the CPU's native
+    op: headers (timestamps, scores) bit for bit through passes that decay and cut (scores are
+    multiples of 1/4, so sums are exact), and embedding writes (a repeated id: its last row)."""
+    from torchrec_kvzch import EvictionPolicy
+
+    gen = torch.Generator().manual_seed(1)
+    p = KVZCHTableParams("t", 8, num_embeddings=2**40, total_num_buckets=16, learning_rate=0.05,
+                         eviction=EvictionPolicy("feature_score", keep_rows=300, count_decay=0.5,
+                                                 trigger="rows", trigger_rows=400))
+    ours, ref = (TableTBE(p, p.bucket_range(0, 1), device=d) for d in (CUDA, torch.device("cpu")))
+    universe = torch.randint(0, 2**40, (2000,), generator=gen).unique()
+    for _ in range(6):
+        ids = universe[torch.randint(0, universe.numel(), (600,), generator=gen)]
+        scores = torch.randint(0, 9, (600,), generator=gen) / 4
+        offsets = torch.arange(601)
+        out, want = ours(ids.to(CUDA), offsets.to(CUDA), scores=scores.to(CUDA)), ref(ids, offsets, scores=scores)
+        grad = torch.randn(want.shape, generator=gen)
+        out.backward(grad.to(CUDA))
+        want.backward(grad)
+    written = torch.cat([universe[:50], universe[:1]])
+    rows = torch.randn(51, 8, generator=gen)
+    ours.write(written.to(CUDA), rows.to(CUDA))
+    ref.write(written, rows)
+    assert ref.store.history.evicted > 0
+    seen = torch.sort(ref.store.keys()).values
+    assert torch.equal(torch.sort(ours.store.keys()).values.cpu(), seen)
+    assert torch.equal(ours.store.read_ids(seen.to(CUDA), RowPart.META).cpu(), ref.store.read_ids(seen, RowPart.META))
+    assert torch.equal(ours.store.read_ids(universe[:50].to(CUDA)).cpu(), torch.cat([rows[50:], rows[1:50]]))
+
+
 @pytest.mark.skipif(CUDA.type != "cuda", reason="fbgemm's Adam runs on CUDA only")
 @pytest.mark.parametrize("optimizer", ["adam", "partial_row_wise_adam"])
 def test_adam_kernel_on_cuda_trains_like_fbgemms_dense_cuda_adam(optimizer):

@@ -338,7 +338,7 @@ def lowest_scores(scores: torch.Tensor, keep: int, width: float, buckets: int) -
         return zero
     wide = scores.double()
     bucket = torch.where(zero, 0, ((wide / width).long() + 1).clamp(max=buckets - 1))
-    bucket[wide >= buckets * width] = buckets - 1
+    bucket[wide >= buckets * width] = buckets - 1  # (also where the quotient overflowed int64)
     held = torch.bincount(bucket, minlength=buckets).cumsum(0)
     cut = max(1, int(torch.searchsorted(held, excess)))
     return wide <= cut * width

@@ -134,3 +134,19 @@ def test_bad_writes_are_refused_by_name(pools):
     assert len(messages) == 2
     assert "KV-ZCH table 'seq': an embedding write needs one row of 16 values per id, got (1, 17)" in messages[0]
     assert "table 'seq': id 1048581 is outside this shard's ids" in messages[1]
+
+
+def test_a_trained_table_trains_its_written_rows():
+    """``TableTBE.write`` on a table that trains (our own API, any KV-ZCH table): the written rows
+    are then trained like any other, from the values written (SGD: row - lr * gradient)."""
+    from torchrec_kvzch import KVZCHTableParams
+    from torchrec_kvzch.table.tbe import TableTBE
+
+    p = KVZCHTableParams("t", 4, num_embeddings=2**20, total_num_buckets=4, optimizer="exact_sgd", learning_rate=0.5)
+    tbe = TableTBE(p, p.bucket_range(0, 1))
+    ids = torch.tensor([3, 70_000, 3])
+    tbe.write(ids, torch.tensor([[1.0] * 4, [2.0] * 4, [5.0] * 4]))  # id 3: its last row
+    out = tbe(torch.tensor([3, 70_000]), torch.tensor([0, 1, 2]))
+    assert torch.equal(out, torch.tensor([[5.0] * 4, [2.0] * 4]))
+    out.backward(torch.ones_like(out))
+    assert torch.equal(tbe.store.read_ids(torch.tensor([3, 70_000])), torch.tensor([[4.5] * 4, [1.5] * 4]))

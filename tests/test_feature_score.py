@@ -345,3 +345,23 @@ def test_what_a_kernel_cannot_score_is_refused_by_name(pools):
     assert "KV-ZCH table 'user': its feature scores would be the KJT's weights" in messages[0]
     assert "in a weighted EmbeddingBagCollection are pooling weights too" in messages[0]
     assert "KV-ZCH table 'user': feature 'f_user' has no score in eviction.feature_scores ['other']" in messages[1]
+
+
+def test_a_count_ordered_rank_budget_refuses_to_mix_scores_and_counts():
+    """An ``lfu`` rank budget compares the headers' count fields: across feature-score and
+    counting tables that compares scores with counts, so it is refused; ``lru`` is fine, and so
+    is ``lfu`` over feature-score tables alone."""
+    from torchrec_kvzch import RankBudget, SharedBudget
+
+    scored = KVZCHTableParams("scored", 4, num_embeddings=2**20, total_num_buckets=4,
+                              eviction=EvictionPolicy("feature_score", keep_rows=10))
+    counted = KVZCHTableParams("counted", 4, num_embeddings=2**20, total_num_buckets=4,
+                               eviction=EvictionPolicy("lfu", count_threshold=1))
+    budget = SharedBudget(RankBudget(max_rows=100, order="lfu"))
+    stores = [RowStore(scored, budget=budget)]
+    with pytest.raises(ValueError, match="rank budget: order 'lfu' compares access counts, but table 'scored' "
+                                         "keeps feature scores where table 'counted' keeps counts"):
+        stores.append(RowStore(counted, budget=budget))
+    stores.append(RowStore(scored, budget=budget))  # scores with scores
+    lru = SharedBudget(RankBudget(max_rows=100, order="lru"))
+    stores += [RowStore(scored, budget=lru), RowStore(counted, budget=lru)]

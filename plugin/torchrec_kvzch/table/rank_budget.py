@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from torchrec_kvzch.params import RankBudget
+from torchrec_kvzch.params import EvictionKind, RankBudget
 from torchrec_kvzch.table.eviction import (
     Evictor,
     batch_rows,
@@ -54,6 +54,12 @@ class SharedBudget:
         only), so it never grows by copying."""
         if evictor.shared is not None:
             raise ValueError(f"table '{store.params.name}': this store is already under a rank budget")
+        other = next((s for s in self.stores if s.evictor.scored != evictor.scored), None)
+        if other is not None and self.budget.order is EvictionKind.LFU:  # (count fields hold scores there)
+            scored, counted = (store, other) if evictor.scored else (other, store)
+            raise ValueError(f"rank budget: order 'lfu' compares access counts, but table '{scored.params.name}' "
+                             f"keeps feature scores where table '{counted.params.name}' keeps counts; use "
+                             "order='lru', or give the feature-score tables a budget of their own")
         evictor.shared = self
         self._stores.append(weakref.ref(store))
         if store.device.type == "cpu":  # at most the machine's memory: a larger mapping may be refused

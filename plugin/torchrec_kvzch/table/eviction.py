@@ -249,7 +249,8 @@ class Evictor:
             survivors = shard_rows(store) - int(doomed.sum())
             if survivors + new > self.max_rows:
                 target = self.max_rows - self.max_rows // 64
-                order = EvictionKind.LFU if self.kind in (EvictionKind.LFU, EvictionKind.FEATURE_SCORE) else EvictionKind.LRU
+                by_count = self.kind in (EvictionKind.LFU, EvictionKind.FEATURE_SCORE)  # (scores order as counts)
+                order = EvictionKind.LFU if by_count else EvictionKind.LRU
                 key = order_key(shard_meta(store), order)
                 [extra] = least_valuable([store], [~(protected | doomed)], [key],
                                          lambda removed: survivors - removed[0] + new <= target)

@@ -24,7 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_kvzch.torchrec.state_dict import table_entries
 from torchrec_kvzch.table.tbe import TableTBE
-from torchrec_kvzch.params import BucketRange, KVZCHTableParams
+from torchrec_kvzch.params import BucketRange, EvictionKind, KVZCHTableParams
 
 FUSED_PARAMS_KEY = "kvzch_tables"  # fused-params entry carrying the tables' KVZCHTableParams
 BUDGET_KEY = "kvzch_rank_budget"  # fused-params entry carrying the rank's SharedBudget, if any
@@ -35,7 +35,7 @@ def _score_source(params: KVZCHTableParams, table: ShardedEmbeddingTable, weight
     feature ({feature: score}: TorchRec's automatic collection) or the KJT's weights (True),
     which then never scale the lookup. False: the table keeps no scores."""
     policy = params.eviction
-    if policy.kind != "feature_score":
+    if EvictionKind(policy.kind) is not EvictionKind.FEATURE_SCORE:
         return False
     if policy.feature_scores is not None:
         return {f: policy.feature_score(f, params.name) for f in table.feature_names}
@@ -135,6 +135,9 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         self._row_offsets: list[int] = []
         self._features_per_table: list[int] = []
         self._score_sources: list[dict[str, float] | bool] = []  # per table, see _score_source
+        # TorchRec hands weights to every kernel of a weighted module only; a KJT may carry
+        # others (e.g. feature scores), which must never scale a lookup.
+        self._weighted = pooled and config.is_weighted
         for table in config.embedding_tables:
             params = by_name.get(table.name)
             if params is None:
@@ -156,13 +159,10 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                 initial_rows=params.expected_shard_rows(buckets), budget=fused.get(BUDGET_KEY))
             self._row_offsets.append(buckets.id_start)
             self._features_per_table.append(table.num_features())
-            self._score_sources.append(_score_source(params, table, pooled and config.is_weighted))
+            self._score_sources.append(_score_source(params, table, self._weighted))
         self._optim = KVZCHFusedOptimizer(
             {f"{name}.weight": torch.empty(0) for name in self.tables},
             {name: tbe.params for name, tbe in self.tables.items()})
-        # TorchRec hands weights to every kernel of a weighted module only; a KJT may carry
-        # others (e.g. feature scores), which must never scale a lookup.
-        self._weighted = pooled and config.is_weighted
         if config.enable_embedding_update:  # an embedding cache, written by DMP.write (writes.py)
             for tbe in self.tables.values():
                 tbe.embedding_cache = True

@@ -48,7 +48,7 @@ class BucketedWriteDist(nn.Module):
             raise ValueError(f"an embedding write takes a KJT of the features {self._keys}, in that order, "
                              f"with one row per id in its 2-D weights; got features {kjt.keys()}")
         device, rows = kjt.values().device, kjt.weights()
-        ids, dest, local, feature = [], [], [], []
+        dest, local, feature = [], [], []
         for f, part in enumerate(kjt.split([1] * len(self._keys))):
             values = part.values().long()
             starts = self._starts[f].to(device)
@@ -56,7 +56,6 @@ class BucketedWriteDist(nn.Module):
             if values.numel() and (bool((shard < 0).any())):
                 raise ValueError(f"embedding write of feature '{self._keys[f]}': id {int(values.min())} is "
                                  "below the table's rows")
-            ids.append(values)
             local.append(values - starts[shard])
             dest.append(self._owners[f].to(device)[shard])
             feature.append(torch.full_like(values, f))

@@ -13,6 +13,13 @@ lookup alone. The id map's own rates on
 the GPU: ``find`` and ``find_or_insert`` (20% new ids) in keys/s, batches of 2^20 ids, at the
 load factor the 10M-key map runs at.
 
+``--host-cache`` (issue 34): a table of ``--host-rows`` rows held in host memory under a GPU
+cache of 10% and 50% of them (``DeviceCache``), Zipf(1.05) batches of 65,536 x 20, against
+fbgemm's TBE with the whole table in GPU memory: ``ratio_host_<percent>_zipf`` (target 0.5 at
+50%), and ``hit_rate_host_<percent>_zipf``, the share of a step's distinct rows found cached
+before its lookup. For reference, fbgemm's own managed-caching TBE over the same rows with the
+same cache (``ratio_fbgemm_cache_<percent>_zipf``).
+
 ``--dmp`` (under torchrun, NCCL, one GPU per rank): ``bench_lookup``'s DMP comparison, a KV-ZCH
 table against an ordinary FUSED table of the same rows, with a global batch of ``--batch``.
 """
@@ -28,10 +35,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench_lookup import batches, build, compare, dmp_comparison
+from bench_lookup import batches, build, compare, dmp_comparison, kvzch_table
+from torchrec_kvzch.params import DeviceCache
 from torchrec_kvzch.table.id_map import IdMap
 
 TARGET = 0.7
+HOST_TARGET = 0.5  # ratio_host_50_zipf (issue 34; NVIDIA dynamicemb publishes 0.3-0.5 with host caching)
+CACHE_PERCENTS = (10, 50)
 DISTS = ("uniform", "zipf")
 
 
@@ -172,12 +182,64 @@ def single_gpu(args, device: torch.device) -> dict:
     return results
 
 
+def hit_rate(tbe, universe, batch: int, pooling: int, reps: int) -> float:
+    """The share of a training step's distinct rows found in the device cache before its lookup."""
+    device = universe.device
+    offsets = torch.arange(0, batch * pooling + 1, pooling, dtype=torch.long, device=device)
+    hits = total = 0
+    for local in batches(universe.numel(), batch, pooling, "zipf", reps, seed=13):
+        ids = universe[local.to(device)]
+        slots = torch.unique(tbe.store.find(ids))
+        hits += int((tbe.store.row_cache.locations(slots[slots >= 0]) >= 0).sum())
+        total += slots.numel()
+        out = tbe(ids, offsets)
+        out.backward(torch.ones_like(out))
+    return hits / total
+
+
+def host_cache(args, device: torch.device) -> dict:
+    """Issue 34's training steps: the table in host memory under a GPU cache, against fbgemm's TBE
+    with the whole table in GPU memory; fbgemm's own managed-caching TBE for reference."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm, EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
+                                                                        SplitTableBatchedEmbeddingBagsCodegen)
+
+    rows, batch = args.host_rows, args.batches[0]
+    results: dict = {**versions(device), "dim": args.dim, "pooling": args.pooling, "host_rows": rows, "batch": batch}
+    _, baseline, universe = build(rows, args.dim, seed=0, device=device)
+    dense = torch.arange(rows, device=device)  # (fbgemm's tables take the rows' indices)
+    cases = [(percent, "lru") for percent in CACHE_PERCENTS] + [(50, "lfu")]
+    for percent, policy in tqdm(cases, desc="bench_gpu host cache"):
+        cache_rows = rows * percent // 100
+        tbe = kvzch_table(universe, args.dim, device_cache=DeviceCache(rows=cache_rows, policy=policy))
+        case = f"host_{percent}_zipf" + ("" if policy == "lru" else f"_{policy}")
+        r = compare(tbe, baseline, universe, batch, args.pooling, "zipf", args.steps, args.warmup)
+        results.update({f"ours_ms_{case}": r["ours_ms"], f"tbe_ms_{case}": r["tbe_ms"], f"ratio_{case}": r["ratio"],
+                        f"cache_rows_{case}": cache_rows,
+                        f"hit_rate_{case}": hit_rate(tbe, universe, batch, args.pooling, 5)})
+        del tbe
+        for mapped in (False, True) if (percent, policy) == (50, "lru") else (False,):
+            cached = SplitTableBatchedEmbeddingBagsCodegen(
+                [(rows, args.dim, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)],
+                cache_load_factor=percent / 100, cache_algorithm=CacheAlgorithm[policy.upper()],
+                uvm_host_mapped=mapped, optimizer=baseline.optimizer, learning_rate=0.01, device=device)
+            r = compare(cached, baseline, dense, batch, args.pooling, "zipf", args.steps, args.warmup)
+            key = case.replace("host_", "fbgemm_cache_") + ("_host_mapped" if mapped else "")
+            results.update({f"{key}_ms": r["ours_ms"], f"ratio_{key}": r["ratio"]})
+            del cached
+        torch.cuda.empty_cache()
+    results["targets"] = {f"ratio_host_50_zipf >= {HOST_TARGET}": results["ratio_host_50_zipf"] >= HOST_TARGET}
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--profile", type=Path, help="torch.profiler tables of the first case")
     parser.add_argument("--dmp", action="store_true", help="the DMP comparison, under torchrun")
+    parser.add_argument("--host-cache", action="store_true", help="a table in host memory under a GPU cache")
+    parser.add_argument("--host-rows", type=int, default=10_000_000)
     parser.add_argument("--rows", nargs="+", type=int, default=[1_000_000, 10_000_000])
     parser.add_argument("--batches", nargs="+", type=int, default=[65_536, 8_192])
     parser.add_argument("--batch", type=int, default=65_536, help="--dmp: the global batch")
@@ -196,6 +258,10 @@ def main() -> None:
         if result is None:  # not rank 0
             return
         results = {**versions(device), **{f"{k}_dmp": v for k, v in result.items()}}
+    elif args.host_cache:
+        if device.type != "cuda":
+            raise SystemExit("--host-cache needs a CUDA device: fbgemm's managed-caching TBE runs on CUDA only")
+        results = host_cache(args, device)
     else:
         results = single_gpu(args, device)
         if args.plot:
@@ -203,7 +269,7 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     for key, value in results.items():
-        if key.startswith(("ratio_", "ours_ms", "tbe_ms", "find")):
+        if key.startswith(("ratio_", "ours_ms", "tbe_ms", "find", "hit_rate")):
             print(f"  {key:32s} {value:,.3f}")
     print(f"wrote {args.json}")
 

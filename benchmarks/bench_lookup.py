@@ -42,13 +42,16 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from _common import (in_fresh_processes, print_targets, same_huge_pages_for_the_baseline, torchrun,
                      zipf_ranks)
 from torchrec_kvzch import KVZCHTableParams
+from torchrec_kvzch.params import DeviceCache
 from torchrec_kvzch.table.tbe import TableTBE
 
 
-def kvzch_table(universe: torch.Tensor, dim: int, optimizer: str = "exact_rowwise_adagrad") -> TableTBE:
-    """Our kernel holding the rows of ``universe`` (ids, on their device)."""
+def kvzch_table(universe: torch.Tensor, dim: int, optimizer: str = "exact_rowwise_adagrad",
+                device_cache: DeviceCache | None = None) -> TableTBE:
+    """Our kernel holding the rows of ``universe`` (ids, on their device); with ``device_cache``
+    (CUDA), in host memory under that cache."""
     params = KVZCHTableParams("bench", dim, num_embeddings=2**40, total_num_buckets=1024,
-                              learning_rate=0.01, optimizer=optimizer)
+                              learning_rate=0.01, optimizer=optimizer, device_cache=device_cache or DeviceCache())
     tbe = TableTBE(params, params.bucket_range(0, 1), initial_rows=universe.numel(), device=universe.device)
     for chunk in universe.split(1 << 22):
         tbe.store.find_or_insert(chunk, touch=False)

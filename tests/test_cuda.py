@@ -96,6 +96,68 @@ def test_kernel_on_cuda_keeps_feature_scores_and_takes_writes_like_the_cpu():
     assert torch.equal(ours.store.read_ids(universe[:50].to(CUDA)).cpu(), torch.cat([rows[50:], rows[1:50]]))
 
 
+@pytest.mark.skipif(CUDA.type != "cuda", reason="fbgemm's managed-caching TBE runs on CUDA only")
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", "exact_sgd", "adam"])
+def test_kernel_with_a_device_cache_trains_like_the_gpu_store(optimizer, policy):
+    """Rows in host memory under a GPU cache of 512 rows (issue 34) against every row in GPU
+    memory, both on CUDA: outputs, rows and headers through growth, batches of more distinct rows
+    than the cache holds, evictions (slots reused), embedding writes, evaluation, a frozen snapshot
+    read while training goes on, and the decoupled weight decay's row shrink."""
+    from torchrec_kvzch.params import DeviceCache
+    from torchrec_kvzch.table.snapshot import RowSnapshot
+
+    gen = torch.Generator().manual_seed(2)
+    decay = dict(weight_decay=0.01, weight_decay_mode="decouple") if optimizer != "exact_sgd" else {}
+    base = dict(name="t", embedding_dim=16, num_embeddings=2**40, total_num_buckets=16, optimizer=optimizer,
+                learning_rate=0.05, init_range=(-0.5, 0.5), **decay)
+    cached = KVZCHTableParams(**base, device_cache=DeviceCache(rows=512, policy=policy))
+    ours = TableTBE(cached, cached.bucket_range(0, 1), num_features=2, device=CUDA)
+    ref = TableTBE(KVZCHTableParams(**base), cached.bucket_range(0, 1), num_features=2, device=CUDA)
+    assert ours.store.row_cache is not None and ref.store.row_cache is None
+    universe = torch.randint(0, 2**40, (4000,), generator=gen).unique()
+    hot = torch.distributions.Exponential(torch.tensor(1 / 600.0))  # skewed: hits and misses
+    tol = dict(rtol=1e-6, atol=1e-6)
+    frozen = None
+    for step in range(10):
+        lengths = torch.randint(0, 8, (2 * 256,), generator=gen)
+        n = int(lengths.sum())
+        ids = universe[hot.sample((n,)).long().clamp(max=universe.numel() - 1)]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        out, want = ours(ids.to(CUDA), offsets.to(CUDA)), ref(ids.to(CUDA), offsets.to(CUDA))
+        torch.testing.assert_close(out, want, **tol)
+        grad = torch.randn(want.shape, generator=gen).to(CUDA)
+        out.backward(grad)
+        want.backward(grad)
+        if step == 3:  # evictions move rows between slots; new rows then reuse the freed ones
+            victims = ref.store.keys()[: len(ref.store) // 3].clone()
+            ours.store.evict(victims)
+            ref.store.evict(victims)
+        if step == 5:  # writes of cached, uncached and new rows
+            written = torch.cat([universe[:40], universe[-10:]]).to(CUDA)
+            rows = torch.randn(50, 16, generator=gen).to(CUDA)
+            ours.write(written, rows)
+            ref.write(written, rows)
+        if step == 6:  # rows as of now, read after three more steps changed them
+            frozen = [RowSnapshot(t.store) for t in (ours, ref)]
+            for snap in frozen:
+                snap.freeze()
+        with torch.no_grad():
+            torch.testing.assert_close(ours.eval()(ids.to(CUDA), offsets.to(CUDA)),
+                                       ref.eval()(ids.to(CUDA), offsets.to(CUDA)), **tol)
+        ours.train()
+        ref.train()
+    assert ours.store.capacity > 1024 and ours.store.history.evicted > 0
+    seen = torch.sort(ref.store.keys()).values
+    assert torch.equal(torch.sort(ours.store.keys()).values, seen)
+    for part in [RowPart.WEIGHT, RowPart.META] + ([RowPart.OPTIMIZER] if optimizer != "exact_sgd" else []):
+        torch.testing.assert_close(ours.store.read_ids(seen, part), ref.store.read_ids(seen, part), **tol)
+    for part in (RowPart.WEIGHT, RowPart.META):
+        torch.testing.assert_close(*(snap.read(0, len(snap), part) for snap in frozen), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(frozen[0].read(0, len(frozen[0]), RowPart.WEIGHT),
+                           ours.store.read_ids(frozen[0].ids, RowPart.WEIGHT))  # (trained since)
+
+
 @pytest.mark.skipif(CUDA.type != "cuda", reason="fbgemm's Adam runs on CUDA only")
 @pytest.mark.parametrize("optimizer", ["adam", "partial_row_wise_adam"])
 def test_adam_kernel_on_cuda_trains_like_fbgemms_dense_cuda_adam(optimizer):

@@ -8,9 +8,9 @@ declarations become these parameters in ``torchrec/declarations.py``.
 from torchrec_kvzch.params.admission import AdmissionDefault, AdmissionKind, AdmissionPolicy
 from torchrec_kvzch.params.eviction import EvictionKind, EvictionPolicy, EvictionTrigger, RankBudget
 from torchrec_kvzch.params.optimizer import OPTIMIZER_DEFAULTS, OptimizerKind, WeightDecayMode
-from torchrec_kvzch.params.storage import CachePolicy, DiskStorage
+from torchrec_kvzch.params.storage import CachePolicy, DeviceCache, DiskStorage
 from torchrec_kvzch.params.table import BucketRange, KVZCHTableParams
 
-__all__ = ["OPTIMIZER_DEFAULTS", "AdmissionDefault", "AdmissionKind", "AdmissionPolicy", "BucketRange", "CachePolicy", "DiskStorage",
+__all__ = ["OPTIMIZER_DEFAULTS", "AdmissionDefault", "AdmissionKind", "AdmissionPolicy", "BucketRange", "CachePolicy", "DeviceCache", "DiskStorage",
            "EvictionKind", "EvictionPolicy", "EvictionTrigger",
            "KVZCHTableParams", "OptimizerKind", "RankBudget", "WeightDecayMode"]

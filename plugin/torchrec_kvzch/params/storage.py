@@ -1,9 +1,11 @@
-"""``DiskStorage``: where a KV-ZCH table keeps the rows its DRAM cache does not hold."""
+"""Where a KV-ZCH table keeps its rows beyond fast memory: ``DiskStorage`` (rows past a DRAM cache,
+on disk) and ``DeviceCache`` (on CUDA, rows in host memory under a GPU cache)."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 from dataclasses import dataclass
 
@@ -62,5 +64,44 @@ class DiskStorage:
         if not positive_int(value):
             fail(f"{name} must be a positive integer, got {value!r}",
                  "give the DRAM the table's cached rows may take, e.g. 2 << 30")
+        policy = member(CachePolicy, self.policy, "policy", lambda problem: fail(problem, "e.g. policy='lfu'"))
+        return dataclasses.replace(self, policy=policy)
+
+
+@dataclass(frozen=True)
+class DeviceCache:
+    """On CUDA, rows in host memory under a cache in GPU memory (``table/row_cache.py``): each
+    shard keeps its weights (and optimizer state wider than one value per row) in host memory,
+    and fbgemm's TBE caches the rows its batches read in GPU memory. The cache holds ``rows``
+    rows per shard, or ``load_factor`` of the rows the shard expects (its buckets' share of the
+    table's ``expected_rows``; TorchRec's ``cache_load_factor``); ``policy`` picks the rows it
+    drops first (fbgemm's LRU or LFU cache). The default, neither size, keeps every row in GPU
+    memory."""
+
+    rows: int | None = None
+    load_factor: float | None = None
+    policy: CachePolicy | str = CachePolicy.LRU
+
+    @property
+    def enabled(self) -> bool:
+        return self.rows is not None or self.load_factor is not None
+
+    def shard_rows(self, expected_rows: int, shard_buckets: int, total_buckets: int) -> int:
+        """The cache's rows on a shard of ``shard_buckets`` of ``total_buckets``."""
+        if self.rows is not None:
+            return self.rows
+        return max(1, math.ceil(self.load_factor * expected_rows * shard_buckets / total_buckets))
+
+    def validate(self, table: str) -> "DeviceCache":
+        def fail(problem: str, fix: str):
+            raise ValueError(f"KV-ZCH table '{table}': device_cache {problem}; fix: {fix}")
+
+        if self.rows is not None and self.load_factor is not None:
+            fail("sets both rows and load_factor", "give one: rows per shard, or load_factor of its expected rows")
+        if self.rows is not None and not positive_int(self.rows):
+            fail(f"rows must be a positive integer, got {self.rows!r}", "e.g. rows=1_000_000")
+        lf = self.load_factor
+        if lf is not None and not (isinstance(lf, (int, float)) and not isinstance(lf, bool) and 0 < lf <= 1):
+            fail(f"load_factor must be a number in (0, 1], got {lf!r}", "e.g. load_factor=0.2")
         policy = member(CachePolicy, self.policy, "policy", lambda problem: fail(problem, "e.g. policy='lfu'"))
         return dataclasses.replace(self, policy=policy)

@@ -12,7 +12,7 @@ from torchrec_kvzch.params.admission import AdmissionPolicy
 from torchrec_kvzch.params.checks import pair, positive_int
 from torchrec_kvzch.params.eviction import EvictionPolicy
 from torchrec_kvzch.params.optimizer import OPTIMIZER_DEFAULTS, OptimizerKind, WeightDecayMode
-from torchrec_kvzch.params.storage import DiskStorage
+from torchrec_kvzch.params.storage import DeviceCache, DiskStorage
 
 _WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -67,6 +67,7 @@ class KVZCHTableParams:
     eviction: EvictionPolicy = field(default_factory=EvictionPolicy)
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     storage: DiskStorage = field(default_factory=DiskStorage)  # rows beyond a DRAM cache, on disk
+    device_cache: DeviceCache = field(default_factory=DeviceCache)  # on CUDA: rows in host memory, a GPU cache
     checkpoint_chunk_rows: int = 65536
     expected_rows: int = 1_000_000  # live rows over all ranks; sizes the planner's DRAM estimate
     # The optimizer fields left unset (filled with defaults): the sharders' fused params may set them.
@@ -134,6 +135,13 @@ class KVZCHTableParams:
         if not isinstance(self.storage, DiskStorage):
             fail("storage", f"must be a DiskStorage, got {type(self.storage).__name__}", "pass DiskStorage(...)")
         object.__setattr__(self, "storage", self.storage.validate(self.name))
+        if not isinstance(self.device_cache, DeviceCache):
+            fail("device_cache", f"must be a DeviceCache, got {type(self.device_cache).__name__}",
+                 "pass DeviceCache(...)")
+        object.__setattr__(self, "device_cache", self.device_cache.validate(self.name))
+        if self.device_cache.enabled and self.storage.enabled:
+            fail("device_cache", "and storage (a disk tier) are both set: a disk tier serves CPU stores, a "
+                 "device cache CUDA ones", "keep one: device_cache on GPUs, storage on CPU ranks")
         if self.init_seed is None:
             object.__setattr__(self, "init_seed", zlib.crc32(self.name.encode()))
         elif not isinstance(self.init_seed, int):

@@ -54,11 +54,14 @@ class RowArrays:
 
     @classmethod
     def allocate(cls, layout: RowLayout, rows: int, device: torch.device, native: bool,
-                 reserve: int = 0) -> "RowArrays":
+                 reserve: int = 0, host: bool = False) -> "RowArrays":
         """Uninitialised arrays for ``rows`` rows, each with address space for ``reserve`` rows
-        so that ``resized`` can grow them in place (``native.empty_large``)."""
-        return cls(empty_large((rows, layout.embedding_dim), layout.dtype, device, native, reserve),
-                   empty_large((rows, layout.optimizer_floats), torch.float32, device, native, reserve),
+        so that ``resized`` can grow them in place (``native.empty_large``). ``host``: on CUDA,
+        the weights and optimizer state wider than a value per row in host memory (a device
+        cache's store, ``row_cache.py``)."""
+        wide = host and layout.optimizer_floats > 1
+        return cls(empty_large((rows, layout.embedding_dim), layout.dtype, device, native, reserve, host),
+                   empty_large((rows, layout.optimizer_floats), torch.float32, device, native, reserve, wide),
                    empty_large(rows, torch.long, device, native, reserve))
 
     @property
@@ -81,12 +84,15 @@ class RowArrays:
         out.assign(slice(0, self.rows), self, slice(None))
         return out
 
-    def resized_in_place(self, rows: int, keep: int, native: bool) -> "RowArrays | None":
-        """These arrays at ``rows`` rows, in place, when their mappings have the room (the rows
-        past ``keep`` given back to the OS when shrinking); else None: the caller copies."""
+    def resized(self, rows: int, keep: int, native: bool, allocate) -> "RowArrays":
+        """These arrays at ``rows`` rows keeping the first ``keep``: in place where their mappings
+        have room (the rows past ``keep`` given back to the OS when shrinking), else copied into
+        ``allocate(rows)``."""
         arrays = [regrown(t, rows) for t in self.tensors]
         if any(a is None for a in arrays):
-            return None
+            new = allocate(rows)
+            new.assign(slice(0, keep), self, slice(0, keep))
+            return new
         if rows < self.rows:
             self.release(keep, self.rows, native)
         return RowArrays(*arrays)

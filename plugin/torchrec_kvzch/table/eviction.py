@@ -275,6 +275,8 @@ class Evictor:
         """The pass's verdict per live row (``lfu``: after decaying the counts)."""
         store, policy = self.store, self.policy
         if self.kind is EvictionKind.L2:
+            if store.row_cache is not None:  # (the fresh weights are the cached ones)
+                store.row_cache.flush()
             norms = weight_norms(store.weights[: len(store)])
             return (norms if store.cache is None else torch.cat([norms, store.cache.tier.norm])) < policy.l2_threshold
         if self.kind is not EvictionKind.TTL and policy.count_decay < 1.0:

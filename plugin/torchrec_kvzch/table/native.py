@@ -38,14 +38,20 @@ HUGEPAGE_BYTES = 2 << 20
 
 
 def empty_large(shape, dtype: torch.dtype, device: torch.device, native: bool,
-                reserve: int = 0) -> torch.Tensor:
+                reserve: int = 0, host: bool = False) -> torch.Tensor:
     """``torch.empty`` for the store's big CPU buffers: with the native op, a mapping of their own
     (huge pages advised, memory back to the OS as soon as it is freed; see ``empty_mapped``).
     ``reserve``: rows of address space to map beyond ``shape[0]``, so that ``regrown`` can
-    later grow the buffer in place; untouched pages cost no memory."""
+    later grow the buffer in place; untouched pages cost no memory. ``host`` on CUDA: in host
+    memory the GPU reads and writes over the bus (fbgemm's managed memory, placed on the host;
+    pages are allocated as they are first written, so a reservation costs none either)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     row_bytes = math.prod(shape[1:]) * torch.empty(0, dtype=dtype).element_size()
     nbytes = max(shape[0], reserve) * row_bytes
+    if host and device.type == "cuda":
+        elements = max(1, max(shape[0], reserve) * math.prod(shape[1:]))
+        space = torch.ops.fbgemm.new_unified_tensor(torch.zeros(1, dtype=dtype, device=device), [elements], False)
+        return space[: math.prod(shape)].view(shape)
     if native and device.type == "cpu" and nbytes >= 4 * HUGEPAGE_BYTES:
         space = torch.ops.kvzch.empty_mapped(nbytes).view(dtype)
         return space[: math.prod(shape)].view(shape)

@@ -12,7 +12,8 @@ between, no row may move, and a frozen snapshot copies the rows it will change (
 Checkpoints read rows through snapshots (``snapshot.py``; frozen ones are ``pin``-ned: every change
 first lets them copy rows aside, and array swaps happen under ``lock``, as another thread may read
 them); incremental ones ask ``changes`` what changed since a ``mark``. With ``params.storage``, DRAM
-holds a bounded cache of the rows and the rest are on disk (``disk_cache.py``).
+holds a bounded cache of the rows and the rest are on disk (``disk_cache.py``). With
+``params.device_cache``, a CUDA store's rows are in host memory under a GPU cache (``row_cache.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torchrec_kvzch.table.id_map import IdMap, IdOutOfRange, as_ids
 from torchrec_kvzch.table.initializer import fill_uniform_by_id
 from torchrec_kvzch.table.layout import RowLayout, RowPart, make_meta, meta_used, with_timestamp
 from torchrec_kvzch.table.pending import PendingUpdate, PendingUpdates
+from torchrec_kvzch.table.row_cache import RowCache
 
 _MIN_ROWS = 1024
 # Rows of address space mapped per array: growth up to it is in place; only written rows cost memory.
@@ -62,7 +64,8 @@ class RowStore:
         self.admission = (Admission(params.admission, params.init_seed, self.device)
                           if params.admission.enabled else None)
         self._reserved = self._reserved_map = 0  # rows reserved (arrays, id map): deletes, loads keep them
-        self._alloc(_MIN_ROWS)
+        self.row_cache = RowCache(self, params.device_cache) if params.device_cache.enabled else None
+        self.weights, self.optimizer, self.meta = self._new_arrays(_MIN_ROWS).tensors
         self.cache = DiskCache(self, params.storage) if params.storage.enabled else None  # rows on disk
         self.evictor = Evictor(self, budget)
         initial_rows = initial_rows if self.evictor.max_rows is None else self.evictor.max_rows  # a budget
@@ -92,8 +95,7 @@ class RowStore:
     @property
     def counters(self) -> dict[str, int]:
         """Live rows, rows ever inserted and evicted, bytes; admission's and a disk tier's counters."""
-        h = self.history
-        out = {"rows": len(self), "inserted": h.inserted, "evicted": h.evicted, "bytes": self.nbytes}
+        out = {"rows": len(self), "inserted": self.history.inserted, "evicted": self.history.evicted, "bytes": self.nbytes}
         if self.admission is not None:
             out.update(admitted=self.admission.admitted, rejected=self.admission.rejected)
         return out if self.cache is None else {**out, **self.cache.counters}
@@ -141,9 +143,8 @@ class RowStore:
         return self._mapped(self.id_map.find, ids)
 
     def find_or_insert(self, ids: torch.Tensor, touch: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
-        """Slots of ids; absent ids get new rows (id-seeded weights, zero optimizer state, header written).
-        With ``touch`` (a lookup) ``Evictor.touch`` stamps the rows' headers and new rows count as
-        inserted; without it (writes, loads) nothing else changes."""
+        """Slots of ids; absent ids get new rows (id-seeded weights, zero optimizer state, header written). With
+        ``touch`` (a lookup) ``Evictor.touch`` stamps the rows' headers and new rows count as inserted."""
         old = len(self)
         slots = self._mapped(self.id_map.find_or_insert, ids)
         if len(self) > old:
@@ -168,6 +169,8 @@ class RowStore:
         if not moved:
             self.changes.deleted(as_ids(ids, self.device, check=False))
         self.epoch += 1
+        if self.row_cache is not None:
+            self.row_cache.before_compaction(moves, before)
         self.arrays.assign(moves.dst, self.arrays, moves.src)
         floor = max(_MIN_ROWS, self._reserved)
         if moves.new_size * 4 < self.capacity and self.capacity > floor:
@@ -190,6 +193,8 @@ class RowStore:
         instead of the live ones; into ``out`` (a save reuses one buffer: fewer page faults)."""
         slots = slots.reshape(-1).long()
         keys = self.id_map.slot_keys[slots] if keys is None else keys
+        if self.row_cache is not None and arrays is None and RowPart(part) in (RowPart.WEIGHT, RowPart.ROW):
+            self.row_cache.flush_rows(slots)
         return (arrays or self.arrays).read(slots, RowPart(part), keys, self.layout, self.native, out)
 
     def read_ids(self, ids: torch.Tensor, part: RowPart = RowPart.WEIGHT) -> torch.Tensor:
@@ -216,7 +221,7 @@ class RowStore:
         else ``absent`` (a ``[D]`` row) or, without it, the id-seeded weights it would start with."""
         ids = as_ids(ids, self.device, check=False)  # range: checked by the lookup
         slots = self.find(ids)
-        out = self.weights[slots.clamp(min=0)]
+        out = self.weights[slots.clamp(min=0)] if self.row_cache is None else self.row_cache.gather(slots.clamp(min=0))
         missing = torch.nonzero(slots < 0).view(-1)
         if missing.numel() and self.cache is not None:  # rows on disk, read where they are
             found, weights = self.cache.read(ids[missing], RowPart.WEIGHT)
@@ -233,9 +238,11 @@ class RowStore:
         return self.changes.mark(self.clock, False) if oldest is None else self.changes.mark(oldest, True)
 
     def pin(self, frozen) -> None:
-        """Have a frozen snapshot (``snapshot._Frozen``) copy rows aside before they change
-        (``preserve``, ``preserve_headers``) and keep the arrays a clear drops (``let_go``)."""
+        """Have a frozen snapshot (``snapshot._Frozen``) copy rows aside before they change (``preserve``,
+        ``preserve_headers``) and keep the arrays a clear drops (``let_go``); rows in host memory as of now."""
         with self.lock:
+            if self.row_cache is not None:
+                self.row_cache.flush()
             self._frozen = (*self._frozen, frozen)
 
     def unpin(self, frozen) -> None:
@@ -258,6 +265,8 @@ class RowStore:
         if not moved and stamp is None:
             self.changes.changed_untracked()  # no stamp: deltas cannot tell these rows
         self.arrays.write(slots, values, part, self.layout, self.native)
+        if self.row_cache is not None and part in (RowPart.WEIGHT, RowPart.ROW):
+            self.row_cache.forget(slots)
         if stamp is not None:
             self.meta[slots] = with_timestamp(self.meta[slots], stamp)
 
@@ -281,10 +290,9 @@ class RowStore:
 
     def write_rows(self, rows: torch.Tensor, layout: RowLayout | None = None,
                    optimizer: bool = True, moved: bool = False) -> int:
-        """Write whole rows by the id in each header, creating rows as needed; rows whose used bit is 0
-        are skipped. Returns the number of rows written. ``layout``: the rows' layout when it is not the
-        store's (saved with another optimizer). With another layout, or without ``optimizer``, only
-        weights and headers are written: new rows' optimizer state starts fresh."""
+        """Write whole rows by the id in each header, creating rows as needed; rows whose used bit is 0 are
+        skipped. Returns the rows written. ``layout``: the rows' layout when not the store's (saved with another
+        optimizer). With another layout, or without ``optimizer``, only weights and headers are written."""
         if self.cache is not None and not (moved or self.cache.writing):  # as in write_ids
             return self.cache.write((layout or self.layout).header(rows)[0], rows,
                                     lambda _, r: self.write_rows(r, layout, optimizer))
@@ -293,9 +301,8 @@ class RowStore:
             rows = self.layout.checked(rows, n, RowPart.ROW, self.params.name, self.device)
             layout = self.layout
         elif (layout.embedding_dim, layout.dtype) != (self.layout.embedding_dim, self.layout.dtype):
-            raise ValueError(f"table '{self.params.name}': rows of {layout.embedding_dim} x "
-                             f"{layout.dtype} cannot become rows of {self.layout.embedding_dim} x "
-                             f"{self.layout.dtype}")
+            raise ValueError(f"table '{self.params.name}': rows of {layout.embedding_dim} x {layout.dtype} "
+                             f"cannot become rows of {self.layout.embedding_dim} x {self.layout.dtype}")
         keys, meta = layout.header(rows)
         used = meta_used(meta)
         if not bool(used.all()):
@@ -312,9 +319,8 @@ class RowStore:
 
     def _slots_to_overwrite(self, keys: torch.Tensor) -> torch.Tensor:
         """``find_or_insert(touch=False)`` without initialising new rows (written whole next), if they fit."""
-        if len(self) + keys.numel() > self.capacity:
-            return self.find_or_insert(keys, touch=False)
-        return self._mapped(self.id_map.find_or_insert, keys)
+        fits = len(self) + keys.numel() <= self.capacity
+        return self._mapped(self.id_map.find_or_insert, keys) if fits else self.find_or_insert(keys, touch=False)
 
     def restore_history(self, clock: int, counters: torch.Tensor, bucket_size: int) -> None:
         """Set the clock, and the history from saved ``[buckets, 2]`` counters."""
@@ -341,10 +347,13 @@ class RowStore:
             self.id_map.clear()
             if self.cache is not None:  # the rows on disk too
                 self.cache.clear()
+            if self.row_cache is not None:
+                self.row_cache.reset()
             self.id_map.reserve(self._reserved_map)
             self.changes.changed_untracked()
             self.epoch += 1
-            self._alloc(max(_MIN_ROWS, self._reserved))  # a load keeps the reservation: no growth copies
+            # (a load keeps the reservation: no growth copies)
+            self.weights, self.optimizer, self.meta = self._new_arrays(max(_MIN_ROWS, self._reserved)).tensors
 
     # -- internals ----------------------------------------------------------------------------
     def before_header_rewrite(self, decay: float | None = None) -> None:
@@ -369,24 +378,16 @@ class RowStore:
         fill_uniform_by_id(out, ids, low, high, self.params.init_seed, native=self.native)
         return out
 
-    def _alloc(self, rows: int) -> None:
+    def _new_arrays(self, rows: int) -> RowArrays:
         # Uninitialised: _init_rows writes rows before use; zero-filling would cost more than a copy.
         ids = self.bucket_range.id_end - self.bucket_range.id_start
         space = max(rows, min(ids, max(_RESERVED_ROWS, 4 * rows)))
-        arrays = RowArrays.allocate(self.layout, rows, self.device, self.native, space)
-        self.weights, self.optimizer, self.meta = arrays.tensors
+        return RowArrays.allocate(self.layout, rows, self.device, self.native, space, self.row_cache is not None)
 
     def _resize(self, rows: int, keep: int) -> None:
-        """Resize to ``rows`` rows keeping the first ``keep``: in place where the arrays' mappings
-        have room, else by copying into new arrays."""
-        with self.lock:
-            old = self.arrays
-            in_place = old.resized_in_place(rows, keep, self.native)
-            if in_place is not None:
-                self.weights, self.optimizer, self.meta = in_place.tensors
-                return
-            self._alloc(rows)
-            self.arrays.assign(slice(0, keep), old, slice(0, keep))
+        with self.lock:  # (a reader in another thread takes the arrays under it)
+            arrays = self.arrays.resized(rows, keep, self.native, self._new_arrays)
+            self.weights, self.optimizer, self.meta = arrays.tensors
 
     def _mapped(self, lookup, ids: torch.Tensor) -> torch.Tensor:
         """``lookup(ids, bounds)`` of the id map, bounded to this shard's ids."""
@@ -394,7 +395,6 @@ class RowStore:
         try:
             return lookup(ids, (r.id_start, r.id_end))
         except IdOutOfRange as e:
-            raise ValueError(
-                f"table '{self.params.name}': id {e.id} is outside this shard's ids "
-                f"[{r.id_start}, {r.id_end}) (buckets [{r.start}, {r.end}) of size {r.size}); "
-                "route ids to the rank owning their bucket (id // bucket_size)") from None
+            raise ValueError(f"table '{self.params.name}': id {e.id} is outside this shard's ids [{r.id_start}, "
+                             f"{r.id_end}) (buckets [{r.start}, {r.end}) of size {r.size}); route ids to the "
+                             "rank owning their bucket (id // bucket_size)") from None

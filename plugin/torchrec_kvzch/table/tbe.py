@@ -27,6 +27,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
     BoundsCheckMode,
+    CacheAlgorithm,
     EmbeddingLocation,
     PoolingMode,
 )
@@ -36,7 +37,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torch import nn
 
-from torchrec_kvzch.params import AdmissionDefault, BucketRange, KVZCHTableParams, OptimizerKind
+from torchrec_kvzch.params import AdmissionDefault, BucketRange, CachePolicy, KVZCHTableParams, OptimizerKind
 from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.row_optimizers import (Hyper, apply, lookup_gradients, runs_itself,
                                                  sample_weight_gradients)
@@ -93,9 +94,17 @@ class TableTBE(nn.Module):
         self._decays_itself = params.weight_decay > 0 and not self._own
         self._anchor = torch.zeros((), requires_grad=True)  # (what an own update's output hangs on)
 
-        def one_row_tbe() -> SplitTableBatchedEmbeddingBagsCodegen:
+        cache = self.store.row_cache
+
+        def one_row_tbe(cached: bool = False) -> SplitTableBatchedEmbeddingBagsCodegen:
+            # cached: fbgemm's managed-caching placement; its cache is the store's (row_cache.py)
+            where = EmbeddingLocation.MANAGED_CACHING if cached else location
+            algorithm = CacheAlgorithm.LFU if cached and cache.policy is CachePolicy.LFU else CacheAlgorithm.LRU
             return SplitTableBatchedEmbeddingBagsCodegen(
-                [(1, params.embedding_dim, location, compute)],
+                [(1, params.embedding_dim, where, compute)],
+                cache_sets=1 if cached else 0,
+                cache_algorithm=algorithm,
+                cache_precision=_PRECISION[params.dtype],
                 feature_table_map=[0] * num_features,
                 optimizer=(OptimizerKind.EXACT_SGD if self._own else params.optimizer).to_fbgemm(),
                 learning_rate=params.learning_rate,
@@ -109,7 +118,9 @@ class TableTBE(nn.Module):
             )
 
         self.pooling = pooling
-        self.tbe = one_row_tbe()  # its one placeholder row: the store's rows are bound in _bind()
+        self.tbe = one_row_tbe(cache is not None)  # its one placeholder row: the store's rows are bound in _bind()
+        # Evaluation binds a batch's rows densely: with a device cache, to a TBE of its own.
+        self._dense = self.tbe if cache is None else one_row_tbe()
         self.default: SplitTableBatchedEmbeddingBagsCodegen | None = None
         if params.admission.enabled and params.admission.default is AdmissionDefault.TRAINABLE:
             self.default = one_row_tbe()  # the shared row of ids not admitted yet, from zeros
@@ -178,9 +189,12 @@ class TableTBE(nn.Module):
         (for SGD L2's step too)."""
         factor = 1.0 - self._hyper[0] * self.params.weight_decay
         with torch.no_grad():
-            weights = self.store.weights
+            weights, cache = self.store.weights, self.store.row_cache
             rows = torch.unique(slots)
-            weights[rows] = (weights[rows].float() * factor).to(weights.dtype)
+            if cache is not None:
+                cache.scatter(rows, cache.gather(rows).float() * factor)
+            else:
+                weights[rows] = (weights[rows].float() * factor).to(weights.dtype)
             if default_used:
                 self.default.split_embedding_weights()[0].data.mul_(factor)  # (.data: autograd saved it)
 
@@ -228,17 +242,25 @@ class TableTBE(nn.Module):
         the gradient of its output; returns the per-sample weights' gradient when they need one."""
         pooled, mean = self.pooling != PoolingMode.NONE, self.pooling == PoolingMode.MEAN
         bags, source = lookup_gradients(grad, offsets, pooled, mean, self.num_features)
+        cache = self.store.row_cache if tbe is self.tbe else None
         if tbe is self.tbe:
             weights, state, keys = self.store.weights, self.store.optimizer, self.store.keys()
         else:  # (the default row: id -1 for its rounding draws)
             weights, state = tbe.split_embedding_weights()[0].data, self._default_state
             keys = torch.full((1,), -1, dtype=torch.long, device=self.device)
         with torch.no_grad():
+            rows = None
+            if cache is not None:  # the batch's rows through the device cache, updated as a block
+                rows, slots = torch.unique(slots, return_inverse=True)
+                weights, state, keys = cache.gather(rows), state[rows], keys[rows]
             weight_grads = None
             if per_sample_weights is not None and per_sample_weights.requires_grad:  # (before the update)
                 weight_grads = sample_weight_gradients(bags, source, weights, slots)
             scale = per_sample_weights.detach() if per_sample_weights is not None else None
             apply(Hyper.of(self.params, *self._hyper), weights, state, keys, slots, bags, source, scale, step)
+            if rows is not None:
+                cache.scatter(rows, weights)
+                self.store.optimizer[rows] = state
         return weight_grads
 
     def set_hyper_parameters(self, lr: float, eps: float) -> None:
@@ -269,11 +291,12 @@ class TableTBE(nn.Module):
         rows = self.store.peek(unique, absent)
         if not rows.shape[0]:  # fbgemm takes empty CPU weights for device ones: one unused row
             rows = rows.new_zeros(1, rows.shape[1])
-        self._set_tensor(f"weights_{self._suffix}", rows.view(-1))
-        self._set_geometry(rows.shape[0])
-        self._bound = None  # the next training forward binds the store again
+        self._set_tensor(self._dense, f"weights_{self._suffix}", rows.view(-1))
+        self._set_geometry(self._dense, rows.shape[0])
+        if self._dense is self.tbe:
+            self._bound = None  # the next training forward binds the store again
         with torch.no_grad():
-            return self.tbe(slots, offsets.long(), per_sample_weights)
+            return self._dense(slots, offsets.long(), per_sample_weights)
 
     def default_state(self) -> dict[str, torch.Tensor]:
         """The trainable default row as views: ``weight`` ``[1, D]`` and, for rowwise Adagrad,
@@ -292,28 +315,30 @@ class TableTBE(nn.Module):
         """Point fbgemm's TBE at the store's current arrays (cheap; re-done after growth), through
         ``.data`` aliases: a version counter apart from the store's, which bumps as rows are
         created or loaded (the store keeps the rows of pending updates in place itself)."""
-        store = self.store
+        store, tbe = self.store, self.tbe
         if self._bound is store.weights:
             return
-        self._set_tensor(f"weights_{self._suffix}", store.weights.view(-1).data)
-        if store.optimizer.shape[1] and not self._own:
-            self._set_tensor(f"momentum1_{self._suffix}", store.optimizer.view(-1).data)
-        self._set_geometry(store.capacity)
+        placed = "uvm" if store.row_cache is not None else self._suffix  # (host memory under a device cache)
+        self._set_tensor(tbe, f"weights_{placed}", store.weights.view(-1).data)
+        if store.optimizer.shape[1] and not self._own:  # (row-wise: in device memory either way)
+            self._set_tensor(tbe, f"momentum1_{self._suffix}", store.optimizer.view(-1).data)
+        self._set_geometry(tbe, store.capacity)
+        if store.row_cache is not None:
+            store.row_cache.bind(tbe, self.num_features)
         self._bound = store.weights
 
-    def _set_geometry(self, rows: int) -> None:
+    def _set_geometry(self, tbe, rows: int) -> None:
         # Per-feature hash offsets (one table: all 0) and the total, used to sort in backward.
-        self.tbe.hash_size_cumsum = torch.tensor(
-            [0] * self.num_features + [rows], dtype=torch.long, device=self.device
-        )
-        self.tbe.total_hash_size_bits = int(math.log2(rows) + 1)
-        self.tbe.rows_per_table = torch.tensor([rows], dtype=torch.long, device=self.device)
+        tbe.hash_size_cumsum = torch.tensor([0] * self.num_features + [rows], dtype=torch.long, device=self.device)
+        tbe.total_hash_size_bits = int(math.log2(rows) + 1)
+        tbe.rows_per_table = torch.tensor([rows], dtype=torch.long, device=self.device)
 
-    def _set_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        current = getattr(self.tbe, name)
+    @staticmethod
+    def _set_tensor(tbe, name: str, tensor: torch.Tensor) -> None:
+        current = getattr(tbe, name)
         if isinstance(current, nn.Parameter):
             tensor = nn.Parameter(tensor, requires_grad=current.requires_grad)
-        setattr(self.tbe, name, tensor)
+        setattr(tbe, name, tensor)
 
 
 class _OwnUpdate(torch.autograd.Function):

@@ -1,0 +1,201 @@
+"""The device cache's rules on the CPU, with the GPU replaced (issue 34; ``table/row_cache.py``).
+
+fbgemm's CUDA cache ops are replaced by ``FakeCacheOps`` below, which keeps their semantics
+(set-associative entries of 32 ways keyed by slot, -1 for none; LRU insertion that writes the
+rows it drops back; a flush that writes every entry back) in torch, and a fused update lands in
+the cached copy of a row when it has one, else in its host row, as fbgemm's kernels do. A store
+under such a cache must then hold and read, after any mix of training steps, evictions (slots
+reused), writes, evaluation reads, growth, frozen snapshots and loads, exactly what a store
+without one holds: a stale copy served or written back anywhere would show as a difference.
+The CUDA side (fbgemm's real ops and TBE) is ``tests/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from torchrec_kvzch.params import DeviceCache, EvictionPolicy, KVZCHTableParams
+from torchrec_kvzch.table import row_cache
+from torchrec_kvzch.table.layout import RowPart
+from torchrec_kvzch.table.row_store import RowStore
+from torchrec_kvzch.table.snapshot import RowSnapshot
+
+ASSOC = row_cache.ASSOC
+
+
+class FakeCacheOps:
+    """fbgemm's cache ops in torch (``lxu_cache_lookup``, ``lxu_cache_flush``, and the LRU
+    populate its TBE runs before a lookup), on the CPU; sets chosen by a hash of the slot."""
+
+    @staticmethod
+    def sets_of(slots: torch.Tensor, sets: int) -> torch.Tensor:
+        return (slots * 0x9E3779B1 % (1 << 31)) % sets
+
+    def lookup(self, slots, state, invalid):
+        at = self.sets_of(slots, state.shape[0])
+        match = state[at] == slots.unsqueeze(1)
+        return torch.where(match.any(1) & (slots != invalid), at * ASSOC + match.int().argmax(1), -1)
+
+    def flush(self, weights, cache):
+        entries = cache.state.reshape(-1)
+        live = entries >= 0
+        weights[entries[live]] = cache.weights[live]
+
+    def populate(self, cache, slots: torch.Tensor, time: int) -> None:
+        """Bring ``slots`` (distinct) into the cache, least recently used entries out first (their
+        rows written back); entries used at ``time`` stay, so a set full of them leaves a row out."""
+        weights, state, lru = cache.store.weights, cache.state, cache.lru
+        at = self.locations_of(cache, slots)
+        lru.view(-1)[at[at >= 0]] = time
+        for slot in slots[at < 0].tolist():
+            s = int(self.sets_of(torch.tensor([slot]), state.shape[0]))
+            way = int(torch.argmin(lru[s]))
+            if int(lru[s, way]) == time:
+                continue  # (fbgemm too leaves the row in host memory)
+            if int(state[s, way]) >= 0:
+                weights[state[s, way]] = cache.weights[s * ASSOC + way]
+            state[s, way] = slot
+            cache.weights[s * ASSOC + way] = weights[slot]
+            lru[s, way] = time
+
+    def locations_of(self, cache, slots):
+        return self.lookup(slots, cache.state, cache.capacity)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    ops = FakeCacheOps()
+    monkeypatch.setattr(row_cache, "default_ops", lambda device, table: ops)
+    return ops
+
+
+def params(cache_rows: int | None, **kw) -> KVZCHTableParams:
+    cache = DeviceCache(rows=cache_rows) if cache_rows else DeviceCache()
+    return KVZCHTableParams("t", 8, num_embeddings=2**30, total_num_buckets=16, optimizer="adam",
+                            device_cache=cache, **kw)
+
+
+def train(store: RowStore, ids: torch.Tensor, fake: FakeCacheOps | None) -> None:
+    """A training step with the GPU replaced: the lookup, the cache's populate (with a cache),
+    then a fused update (each row + a function of its id and the step) landing where fbgemm's
+    lands: the cached copy, else the host row; the optimizer state as the table's own update."""
+    slots = torch.unique(store.lookup_for_update(ids))
+    keys = store.keys()[slots]
+    step = (keys % 7 + 1).float().unsqueeze(1) * store.clock / 100
+    cache = store.row_cache
+    if cache is None:
+        store.weights[slots] += step
+    else:
+        fake.populate(cache, slots, store.clock)
+        at = cache.locations(slots)
+        hit = at >= 0
+        cache.weights[at[hit]] += step[hit]
+        store.weights[slots[~hit]] += step[~hit]
+    store.optimizer[slots] += step.mean(1, keepdim=True)
+
+
+def same(a: RowStore, b: RowStore, ids: torch.Tensor) -> None:
+    for part in (RowPart.WEIGHT, RowPart.OPTIMIZER, RowPart.META):
+        assert torch.equal(a.read_ids(ids, part), b.read_ids(ids, part)), part
+    assert torch.equal(a.peek(ids), b.peek(ids))
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["train", "train", "train", "evict", "write", "peek", "freeze", "load"]),
+                         st.integers(0, 2**31 - 1)), min_size=4, max_size=14)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # (stateless)
+@given(ops=OPS, cache_rows=st.sampled_from([32, 64, 256]), universe=st.sampled_from([300, 3000]))
+def test_a_store_under_a_device_cache_holds_what_a_store_without_one_holds(fake, ops, cache_rows, universe):
+    ours, ref = RowStore(params(cache_rows)), RowStore(params(None))
+    assert ours.row_cache is not None and ref.row_cache is None
+    ids_all = torch.arange(universe) * 7919 + 3
+    frozen = None
+    for op, seed in ops:
+        gen = torch.Generator().manual_seed(seed)
+        ids = ids_all[torch.randint(0, universe, (int(torch.randint(1, 400, (1,), generator=gen)),), generator=gen)]
+        if op == "train":
+            train(ours, ids, fake)
+            train(ref, ids, None)
+        elif op == "evict" and len(ref):
+            victims = ref.keys()[torch.randperm(len(ref), generator=gen)[: len(ref) // 2]].clone()
+            ours.evict(victims)
+            ref.evict(victims)
+        elif op == "write":  # rows that exist (cached or not) and new ones
+            values = torch.randn(ids.numel(), 8, generator=gen)
+            unique, first = torch.unique(ids, return_inverse=True)
+            rows = values[torch.zeros_like(unique).scatter_(0, first, torch.arange(ids.numel()))]
+            ours.write_ids(unique, rows)
+            ref.write_ids(unique, rows)
+        elif op == "peek":  # evaluation reads change nothing, the cache included
+            before = (ours.row_cache.state.clone(), ours.row_cache.weights.clone(), ours.weights.clone())
+            assert torch.equal(ours.peek(ids), ref.peek(ids))
+            after = (ours.row_cache.state, ours.row_cache.weights, ours.weights)
+            assert all(torch.equal(x, y) for x, y in zip(before, after))
+        elif op == "freeze" and frozen is None:
+            frozen = [RowSnapshot(s) for s in (ours, ref)]
+            for snap in frozen:
+                snap.freeze()
+        elif op == "load":  # a checkpoint's whole rows (of fewer rows) into a store holding rows of its own
+            rows = ref.read_ids(torch.sort(ref.keys()).values[::2], RowPart.ROW)
+            for store in (ours, ref):
+                store.clear()
+                store.write_rows(rows)
+    same(ours, ref, ids_all)
+    assert ours.read_ids(ids_all, RowPart.ROW).view(torch.int32).equal(ref.read_ids(ids_all, RowPart.ROW).view(torch.int32))
+    if frozen is not None and frozen[0].frozen and frozen[1].frozen:
+        for part in (RowPart.WEIGHT, RowPart.META):
+            assert torch.equal(frozen[0].read(0, len(frozen[0]), part), frozen[1].read(0, len(frozen[1]), part))
+
+
+def test_reused_slots_never_serve_the_rows_that_were_there(fake):
+    """Rows cached, then evicted (compaction moves the tail into the freed slots); new ids take
+    the slots past the end: neither the moved rows nor the new ones read an old cached copy."""
+    ours, ref = RowStore(params(64)), RowStore(params(None))
+    first, second = torch.arange(200) + 10, torch.arange(200) + 5000
+    for store, ops in ((ours, fake), (ref, None)):
+        for _ in range(3):
+            train(store, first, ops)
+    cached = ours.row_cache.state.reshape(-1)
+    assert int((cached >= 0).sum()) > 32  # the cache holds rows of the first ids
+    for store, ops in ((ours, fake), (ref, None)):
+        store.evict(first[::2])
+        train(store, second, ops)
+    same(ours, ref, torch.cat([first, second]))
+
+
+def test_an_l2_pass_reads_the_cached_weights(fake):
+    """The l2 rule ranks rows by their weights' norm: the fresh (cached) ones."""
+    kw = dict(init_range=(-0.001, 0.001), eviction=EvictionPolicy("l2", l2_threshold=0.1, interval_steps=1_000_000))
+    ours, ref = RowStore(params(64, **kw)), RowStore(params(None, **kw))
+    ids = torch.arange(100)
+    for store, ops in ((ours, fake), (ref, None)):
+        train(store, ids[:50], ops)  # half the rows grow past the threshold, in the cache only
+        train(store, ids, ops)
+        store.evictor.run_pass()
+    assert ref.history.evicted > 0
+    assert torch.equal(torch.sort(ours.keys()).values, torch.sort(ref.keys()).values)
+    same(ours, ref, ids)
+
+
+def test_a_device_cache_is_refused_where_it_cannot_serve():
+    with pytest.raises(ValueError, match="device cache serves a CUDA store"):
+        RowStore(params(64))
+    with pytest.raises(ValueError, match="device_cache sets both rows and load_factor"):
+        KVZCHTableParams("t", 8, device_cache=DeviceCache(rows=10, load_factor=0.5))
+    with pytest.raises(ValueError, match="load_factor must be a number in"):
+        KVZCHTableParams("t", 8, device_cache=DeviceCache(load_factor=1.5))
+    with pytest.raises(ValueError, match="device_cache and storage"):
+        from torchrec_kvzch.params import DiskStorage
+        KVZCHTableParams("t", 8, device_cache=DeviceCache(rows=10), storage=DiskStorage("/tmp/x", cache_bytes=1 << 20))
+    with pytest.raises(ValueError, match="policy"):
+        KVZCHTableParams("t", 8, device_cache=DeviceCache(rows=10, policy="fifo"))
+
+
+def test_the_cache_size_follows_the_shard(fake):
+    p = KVZCHTableParams("t", 8, num_embeddings=2**30, total_num_buckets=16, expected_rows=64_000,
+                         device_cache=DeviceCache(load_factor=0.5))
+    store = RowStore(p, p.bucket_range(0, 4))  # 4 of 16 buckets: 16,000 rows expected, half cached
+    assert store.row_cache.rows == 8_000 and store.row_cache.sets == 250

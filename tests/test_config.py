@@ -150,3 +150,14 @@ def test_a_kvzch_block_sets_adam_and_its_betas(tmp_path):
                     "weight_decay: 0.01, weight_decay_mode: decouple}\n")
     kv = load_config(path).tables[0].kvzch
     assert (kv.optimizer.value, kv.beta1, kv.beta2, kv.weight_decay) == ("adam", 0.8, 0.999, 0.01)
+
+
+def test_a_kvzch_block_sets_a_device_cache_and_a_bad_one_is_named(tmp_path):
+    path = tmp_path / "cache.yaml"
+    path.write_text("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, device_cache: {load_factor: 0.25, "
+                    "policy: lfu}}\n")
+    cache = load_config(path).tables[0].kvzch.device_cache
+    assert (cache.load_factor, cache.policy.value, cache.enabled) == (0.25, "lfu", True)
+    path.write_text("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, device_cache: {load_factor: 2}}\n")
+    with pytest.raises(ConfigError, match=r"device_cache load_factor must be a number in \(0, 1\]"):
+        load_config(path)

@@ -194,6 +194,26 @@ def test_plans_for_a_cuda_topology_charge_device_memory():
     assert all(s.storage.hbm > 0 and s.storage.ddr == 0 for s in option.shards)
 
 
+def test_a_cuda_plan_charges_a_device_caches_rows_to_host_memory():
+    """Rows in host memory under a GPU cache (issue 34): the weights (and optimizer state wider
+    than a value per row) are DDR; the cache, the id map, headers and row-wise state are HBM."""
+    from torchrec_kvzch.params import DeviceCache
+    from torchrec_kvzch.table.row_cache import estimated_split
+
+    plain, cached = tables(expected_rows=120_000), tables(expected_rows=120_000, device_cache=DeviceCache(load_factor=0.1))
+    storage = []
+    for kv in (plain, cached):
+        planner = KVZCHShardingPlanner(Topology(world_size=2, compute_device="cuda", local_world_size=2),
+                                       batch_size=512, constraints=opt_in(kv))
+        planner.plan(model(kv), kvzch_sharders())
+        option = next(o for o in planner._enumerator.last_stored_search_space
+                      if o.name == "user" and o.compute_kernel == KVZCH_KERNEL)
+        storage.append(option.shards[0].storage)
+    layout = RowLayout.for_table(cached[0])
+    assert (storage[1].hbm, storage[1].ddr) == estimated_split(layout, 60_000, 6_000)  # 12 buckets on 2 ranks
+    assert storage[0].ddr == 0 and storage[1].hbm < storage[0].hbm and storage[1].ddr >= 60_000 * 16 * 4
+
+
 def test_storage_counts_the_admission_sketch_of_each_shard():
     admission = AdmissionPolicy("count", min_count=2, sketch_width=2**18, sketch_depth=4)
     plain, kv = tables(expected_rows=120_000), tables(expected_rows=120_000, admission=admission)

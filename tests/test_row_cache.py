@@ -199,3 +199,19 @@ def test_the_cache_size_follows_the_shard(fake):
                          device_cache=DeviceCache(load_factor=0.5))
     store = RowStore(p, p.bucket_range(0, 4))  # 4 of 16 buckets: 16,000 rows expected, half cached
     assert store.row_cache.rows == 8_000 and store.row_cache.sets == 250
+
+
+def test_torchrecs_cache_params_size_a_cuda_shards_device_cache():
+    """TorchRec's CacheParams reach a kernel as fused params; on a CUDA shard they become its
+    device cache (a table's own DeviceCache wins); CPU shards never call this."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+
+    from torchrec_kvzch.torchrec.declarations import with_device_cache
+
+    table = KVZCHTableParams("t", 8)
+    assert with_device_cache(table, {"learning_rate": 0.1}) is table
+    got = with_device_cache(table, {"cache_load_factor": 0.3, "cache_algorithm": CacheAlgorithm.LFU}).device_cache
+    assert (got.load_factor, got.rows, got.policy.value) == (0.3, None, "lfu")
+    assert with_device_cache(table, {"cache_load_factor": 0.3}).device_cache.policy.value == "lru"
+    own = KVZCHTableParams("t", 8, device_cache=DeviceCache(rows=5))
+    assert with_device_cache(own, {"cache_load_factor": 0.3}) is own

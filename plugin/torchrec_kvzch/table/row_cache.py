@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from torchrec_kvzch.params.storage import CachePolicy, DeviceCache
+from torchrec_kvzch.table.arrays import GROWTH, estimated_bytes
+from torchrec_kvzch.table.layout import RowLayout
 
 ASSOC = 32  # ways per cache set: fbgemm's DEFAULT_ASSOC, which its CUDA cache kernels are built for
 _LFU_MAX_SETS = 2**24 - 1  # fbgemm's bound for an LFU cache
@@ -37,6 +39,17 @@ class FbgemmCacheOps:
         torch.ops.fbgemm.lxu_cache_flush(
             weights.view(-1), cache.cumsum(1), cache.index_map, cache.zeros_long, cache.dim_offsets,
             weights.shape[1], cache.state, cache.weights, False)
+
+
+def estimated_split(layout: RowLayout, rows: int, cache_rows: int) -> tuple[int, int]:
+    """(GPU bytes, host bytes) of a store of ``rows`` rows under a cache of ``cache_rows``, as
+    ``arrays.estimated_bytes`` counts a store: the weights (and optimizer state wider than a value
+    per row) in host memory; the cache, its per-slot index (and lfu counts) in GPU memory."""
+    host_row = layout.embedding_dim * layout.itemsize + (4 * layout.optimizer_floats if layout.optimizer_floats > 1 else 0)
+    host = int(rows * host_row * GROWTH)
+    entries = -(-cache_rows // ASSOC) * ASSOC
+    cache = entries * (layout.embedding_dim * layout.itemsize + 16) + int(rows * GROWTH) * 12
+    return estimated_bytes(layout, rows) - host + cache, host
 
 
 def default_ops(device: torch.device, table: str):

@@ -44,6 +44,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec_kvzch.params import (
     OPTIMIZER_DEFAULTS,
     AdmissionPolicy,
+    DeviceCache,
     DiskStorage,
     EvictionPolicy,
     KVZCHTableParams,
@@ -276,7 +277,8 @@ class _Parser:
         kv["optimizer"] = self.optimizer_kind(kv.get("optimizer", kind), f"{where}.optimizer")
         kv.setdefault("learning_rate", lr)
         kv.setdefault("eps", eps)
-        for key, cls in (("eviction", EvictionPolicy), ("admission", AdmissionPolicy), ("storage", DiskStorage)):
+        for key, cls in (("eviction", EvictionPolicy), ("admission", AdmissionPolicy), ("storage", DiskStorage),
+                         ("device_cache", DeviceCache)):
             if key in kv:
                 block = self.mapping(kv[key], f"{where}.{key}", {f.name for f in fields(cls)})
                 kv[key] = cls(**self.typed(cls, block, f"{where}.{key}"))

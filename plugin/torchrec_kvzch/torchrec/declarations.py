@@ -37,7 +37,8 @@ from torchrec.modules.embedding_configs import (
     TimestampBasedEvictionPolicy,
 )
 
-from torchrec_kvzch.params import DiskStorage, EvictionPolicy, KVZCHTableParams, OptimizerKind, WeightDecayMode
+from torchrec_kvzch.params import (DeviceCache, DiskStorage, EvictionPolicy, KVZCHTableParams, OptimizerKind,
+                                   WeightDecayMode)
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,21 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
         backend_return_whole_row=kernel != EmbeddingComputeKernel.SSD_VIRTUAL_TABLE.value,
         eviction=eviction, storage=storage, **optimizer)
     return KVZCHTableParams(**{**fields, **extras})
+
+
+def with_device_cache(params: KVZCHTableParams, fused_params: dict | None) -> KVZCHTableParams:
+    """A CUDA shard's parameters: TorchRec's ``cache_load_factor`` and ``cache_algorithm`` (the
+    fused params ``CacheParams`` set) become its ``DeviceCache`` unless it has one of its own, as
+    upstream's DRAM virtual tables cache their host rows in GPU memory. The load factor is of the
+    rows the shard expects, not of its id space (docs/porting.md). On CPU ranks the rows are in
+    host memory already: they do not call this, as upstream's CPU TBE has no cache."""
+    fused = fused_params or {}
+    factor = fused.get("cache_load_factor")
+    if params.device_cache.enabled or factor is None:
+        return params
+    algorithm = str(getattr(fused.get("cache_algorithm"), "name", fused.get("cache_algorithm") or "lru"))
+    return dataclasses.replace(params, device_cache=DeviceCache(load_factor=float(factor),
+                                                                policy=algorithm.rsplit(".", 1)[-1].lower()))
 
 
 def table_fused_params(fused_params: dict | None, sharding_or_constraints) -> dict:
@@ -314,6 +330,9 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
                 fail(f"fused param {key}={value!r} is not supported by the KV-ZCH kernel "
                      f"(it uses {_FIXED_KEYS[key]})",
                      "drop it, or give the KV-ZCH tables sharders without it")
+        elif key in ("cache_load_factor", "cache_algorithm"):
+            _notice(table, key, f"fused param '{key}' sizes the GPU cache over host rows of a KV-ZCH table "
+                    "on CUDA ranks (DeviceCache); on CPU ranks the rows are in host memory and it has no use")
         elif key in _PLACEMENT_KEYS or key.startswith("ssd_"):
             _notice(table, key, f"fused param '{key}' places or caches rows; the DRAM store has "
                     "no use for it")

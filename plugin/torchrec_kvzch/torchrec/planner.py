@@ -55,6 +55,7 @@ from torchrec_kvzch.torchrec.declarations import (
 from torchrec_kvzch.torchrec.modules import ROW_WISE, KVZCHParameterSharding, kvzch_sharders
 from torchrec_kvzch.table.disk_tier import estimated_tier_bytes
 from torchrec_kvzch.table.layout import RowLayout
+from torchrec_kvzch.table.row_cache import estimated_split
 from torchrec_kvzch.table.row_store import RowStore
 
 # TorchRec's Storage counts disk bytes from 1.8 on; 1.6 (the torch 2.11 stack) has no field for them.
@@ -121,6 +122,12 @@ class KVZCHStorageEstimator(EmbeddingStorageEstimator):
                                  // layout.stored_bytes)
                     index, on_disk = estimated_tier_bytes(rows - cached, layout.row_width * layout.itemsize)
                     rows, extra = cached, extra + index
+                if self._on_cuda and params.device_cache.enabled:  # host rows under a GPU cache
+                    cache_rows = params.device_cache.shard_rows(params.expected_rows, buckets.num_buckets,
+                                                                params.total_num_buckets)
+                    hbm, host = estimated_split(layout, rows, cache_rows)
+                    shard.storage = Storage(hbm=hbm + extra, ddr=host)
+                    continue
                 nbytes = RowStore.estimated_bytes(layout, rows) + extra
                 shard.storage = (Storage(hbm=nbytes, ddr=0) if self._on_cuda else
                                  Storage(hbm=0, ddr=nbytes, **({"ssd": on_disk} if _SSD and on_disk else {})))

@@ -20,6 +20,11 @@ fbgemm's TBE with the whole table in GPU memory: ``ratio_host_<percent>_zipf`` (
 before its lookup. For reference, fbgemm's own managed-caching TBE over the same rows with the
 same cache (``ratio_fbgemm_cache_<percent>_zipf``).
 
+``--larger-than-gpu`` (issue 34): a table whose rows take 1.1 times the GPU's memory, in host
+memory under a GPU cache of 10% of them, trains: ``larger_rows``, ``larger_host_bytes``, the step's
+``larger_step_ms`` and the GPU memory it peaked at (``larger_gpu_peak_bytes``). It needs more host
+memory than GPU memory (an H100 machine with 128 GiB), and says so where there is not.
+
 ``--dmp`` (under torchrun, NCCL, one GPU per rank): ``bench_lookup``'s DMP comparison, a KV-ZCH
 table against an ordinary FUSED table of the same rows, with a global batch of ``--batch``.
 """
@@ -232,6 +237,36 @@ def host_cache(args, device: torch.device) -> dict:
     return results
 
 
+def larger_than_gpu(args, device: torch.device) -> dict:
+    """Issue 34: a table larger than the GPU's memory trains, its rows in host memory."""
+    gpu = torch.cuda.get_device_properties(device).total_memory
+    meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
+    host = int(meminfo["MemAvailable"].split()[0]) * 1024
+    row_bytes = args.dim * 4
+    rows = int(1.1 * gpu / row_bytes)
+    if rows * row_bytes * 1.15 > host:
+        raise SystemExit(f"bench_gpu --larger-than-gpu: {host / 2**30:.0f} GiB of host memory available cannot hold "
+                         f"a table larger than this GPU's {gpu / 2**30:.0f} GiB; run it on a machine with more host "
+                         "memory than GPU memory (an H100 with 128 GiB)")
+    ids = torch.arange(rows, device=device) * 7 + 1  # (distinct ids, spread over the table's id space)
+    tbe = kvzch_table(ids, args.dim, device_cache=DeviceCache(rows=rows // 10))
+    del ids
+    gen = torch.Generator(device=device).manual_seed(3)
+    batch, pooling = args.batches[0], args.pooling
+    offsets = torch.arange(0, batch * pooling + 1, pooling, dtype=torch.long, device=device)
+    torch.cuda.reset_peak_memory_stats(device)
+
+    def step():  # skewed ids: u^4 of uniform u puts most draws on a small share of the rows
+        u = torch.rand(batch * pooling, generator=gen, device=device)
+        out = tbe((u.pow(4) * (rows - 1)).long() * 7 + 1, offsets)
+        out.backward(torch.ones_like(out))
+
+    ms = device_ms(step, device, args.steps, args.warmup)
+    return {**versions(device), "dim": args.dim, "batch": batch, "pooling": pooling, "larger_rows": rows,
+            "larger_host_bytes": tbe.store.weights.numel() * tbe.store.weights.element_size(),
+            "gpu_bytes": gpu, "larger_step_ms": ms, "larger_gpu_peak_bytes": torch.cuda.max_memory_allocated(device)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, required=True)
@@ -240,6 +275,7 @@ def main() -> None:
     parser.add_argument("--dmp", action="store_true", help="the DMP comparison, under torchrun")
     parser.add_argument("--host-cache", action="store_true", help="a table in host memory under a GPU cache")
     parser.add_argument("--host-rows", type=int, default=10_000_000)
+    parser.add_argument("--larger-than-gpu", action="store_true", help="a table larger than the GPU's memory")
     parser.add_argument("--rows", nargs="+", type=int, default=[1_000_000, 10_000_000])
     parser.add_argument("--batches", nargs="+", type=int, default=[65_536, 8_192])
     parser.add_argument("--batch", type=int, default=65_536, help="--dmp: the global batch")
@@ -258,10 +294,10 @@ def main() -> None:
         if result is None:  # not rank 0
             return
         results = {**versions(device), **{f"{k}_dmp": v for k, v in result.items()}}
-    elif args.host_cache:
+    elif args.host_cache or args.larger_than_gpu:
         if device.type != "cuda":
             raise SystemExit("--host-cache needs a CUDA device: fbgemm's managed-caching TBE runs on CUDA only")
-        results = host_cache(args, device)
+        results = host_cache(args, device) if args.host_cache else larger_than_gpu(args, device)
     else:
         results = single_gpu(args, device)
         if args.plot:
@@ -269,7 +305,7 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     for key, value in results.items():
-        if key.startswith(("ratio_", "ours_ms", "tbe_ms", "find", "hit_rate")):
+        if key.startswith(("ratio_", "ours_ms", "tbe_ms", "find", "hit_rate", "larger_")):
             print(f"  {key:32s} {value:,.3f}")
     print(f"wrote {args.json}")
 

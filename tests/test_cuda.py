@@ -156,6 +156,10 @@ def test_kernel_with_a_device_cache_trains_like_the_gpu_store(optimizer, policy)
         torch.testing.assert_close(*(snap.read(0, len(snap), part) for snap in frozen), rtol=1e-6, atol=1e-6)
     assert not torch.equal(frozen[0].read(0, len(frozen[0]), RowPart.WEIGHT),
                            ours.store.read_ids(frozen[0].ids, RowPart.WEIGHT))  # (trained since)
+    ahead = ours(ids.to(CUDA), offsets.to(CUDA))  # a forward ahead of its backward: refused under a cache
+    with pytest.raises(RuntimeError, match="semi-sync pipeline"):
+        ours(ids.to(CUDA), offsets.to(CUDA))
+    del ahead
 
 
 @pytest.mark.skipif(CUDA.type != "cuda", reason="fbgemm's Adam runs on CUDA only")
@@ -233,10 +237,17 @@ def test_dmp_on_a_cuda_rank_matches_torchrec_fused_tables_on_cuda():
 STEPS = 4
 
 
-def train_and_save(rank, world, device, root, asynchronous=False):
+def cache_kw(device, cached):
+    """A device cache of 8 rows a shard (issue 34), smaller than the batches' rows, where asked."""
+    from torchrec_kvzch.params import DeviceCache
+
+    return {"device_cache": DeviceCache(rows=8)} if cached and device != "cpu" else {}
+
+
+def train_and_save(rank, world, device, root, asynchronous=False, cached=False):
     """STEPS steps on ``device``, then a save of step STEPS (async: two more steps train while
     it is written); the state saved, gathered."""
-    model, dense = build(device=torch.device(device), dense_lr=0.0)
+    model, dense = build(device=torch.device(device), dense_lr=0.0, **cache_kw(device, cached))
     for step in range(STEPS):
         train_step(model, dense, step, rank, world)
     saved = snapshot(model, dense, dist.group.WORLD)
@@ -250,9 +261,9 @@ def train_and_save(rank, world, device, root, asynchronous=False):
     return saved
 
 
-def load(rank, world, device, root):
+def load(rank, world, device, root, cached=False):
     """A model on ``device`` with rows of its own loads the checkpoint; its state, gathered."""
-    model, dense = build(device=torch.device(device), dense_lr=0.0)
+    model, dense = build(device=torch.device(device), dense_lr=0.0, **cache_kw(device, cached))
     train_step(model, dense, 99, rank, world)  # rows the load must replace
     state = state_of(model, dense)
     assert CheckpointManager(root).load(state) == STEPS
@@ -268,18 +279,23 @@ def same_rows(a, b):
     assert all(torch.equal(x, y) for x, y in zip(a["dense"], b["dense"]))
 
 
+CACHED = [False, True] if CUDA.type == "cuda" else [False]  # (rows in host memory under a GPU cache)
+
+
+@pytest.mark.parametrize("cached", CACHED)
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_checkpoint_saved_on_cuda_loads_on_two_cpu_ranks_bit_for_bit(asynchronous):
+def test_a_checkpoint_saved_on_cuda_loads_on_two_cpu_ranks_bit_for_bit(asynchronous, cached):
     with tempfile.TemporaryDirectory() as root:
-        saved = run_ranks(1, train_and_save, CUDA.type, root, asynchronous, backend=BACKEND, timeout=600)[0]
+        saved = run_ranks(1, train_and_save, CUDA.type, root, asynchronous, cached, backend=BACKEND, timeout=600)[0]
         loaded = run_ranks(2, load, "cpu", root, timeout=600)[0]
     same_rows(saved, loaded)
 
 
-def test_a_checkpoint_saved_on_two_cpu_ranks_loads_on_cuda_bit_for_bit():
+@pytest.mark.parametrize("cached", CACHED)
+def test_a_checkpoint_saved_on_two_cpu_ranks_loads_on_cuda_bit_for_bit(cached):
     with tempfile.TemporaryDirectory() as root:
         saved = run_ranks(2, train_and_save, "cpu", root, timeout=600)[0]
-        loaded = run_ranks(1, load, CUDA.type, root, backend=BACKEND, timeout=600)[0]
+        loaded = run_ranks(1, load, CUDA.type, root, cached, backend=BACKEND, timeout=600)[0]
     same_rows(saved, loaded)
 
 

@@ -50,14 +50,17 @@ PER_WORLD = ("none", "ttl", "lfu")  # rows do not depend on the world size; budg
 
 # -- the model ---------------------------------------------------------------------------------
 def table_params(kind="none", num_embeddings=BUCKETS * BUCKET_SIZE, buckets=BUCKETS,
-                 optimizer="exact_rowwise_adagrad", whole_row=(True, False), admission=None, storage=None):
-    """``storage``: (path, cache_bytes) of disk tiers under both KV-ZCH tables."""
+                 optimizer="exact_rowwise_adagrad", whole_row=(True, False), admission=None, storage=None,
+                 device_cache=None):
+    """``storage``: (path, cache_bytes) of disk tiers under both KV-ZCH tables; ``device_cache``: on
+    CUDA, both tables' rows in host memory under that cache."""
     return [KVZCHTableParams(name, 8, num_embeddings=num_embeddings, total_num_buckets=buckets,
                              learning_rate=0.1, optimizer=optimizer, enable_optimizer_offloading=True,
                              backend_return_whole_row=whole, eviction=EVICTION[kind] if name == "t" else EvictionPolicy(),
                              checkpoint_chunk_rows=16, expected_rows=500,
                              **({"admission": admission} if admission is not None else {}),
-                             **({"storage": DiskStorage(*storage)} if storage is not None else {}))
+                             **({"storage": DiskStorage(*storage)} if storage is not None else {}),
+                             **({"device_cache": device_cache} if device_cache is not None else {}))
             for name, whole in zip(("t", "u"), whole_row)]
 
 

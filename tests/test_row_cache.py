@@ -183,8 +183,6 @@ def test_an_l2_pass_reads_the_cached_weights(fake):
 def test_a_device_cache_is_refused_where_it_cannot_serve():
     with pytest.raises(ValueError, match="device cache serves a CUDA store"):
         RowStore(params(64))
-    with pytest.raises(ValueError, match="device_cache sets both rows and load_factor"):
-        KVZCHTableParams("t", 8, device_cache=DeviceCache(rows=10, load_factor=0.5))
     with pytest.raises(ValueError, match="load_factor must be a number in"):
         KVZCHTableParams("t", 8, device_cache=DeviceCache(load_factor=1.5))
     with pytest.raises(ValueError, match="device_cache and storage"):
@@ -199,19 +197,43 @@ def test_the_cache_size_follows_the_shard(fake):
                          device_cache=DeviceCache(load_factor=0.5))
     store = RowStore(p, p.bucket_range(0, 4))  # 4 of 16 buckets: 16,000 rows expected, half cached
     assert store.row_cache.rows == 8_000 and store.row_cache.sets == 250
+    for rows, want in ((5_000, 5_000), (20_000, 8_000)):  # both sizes: the smaller
+        cache = DeviceCache(rows=rows, load_factor=0.5)
+        assert cache.shard_rows(p.expected_rows, 4, p.total_num_buckets) == want
 
 
-def test_torchrecs_cache_params_size_a_cuda_shards_device_cache():
-    """TorchRec's CacheParams reach a kernel as fused params; on a CUDA shard they become its
-    device cache (a table's own DeviceCache wins); CPU shards never call this."""
+def test_torchrecs_cache_declarations_size_a_cuda_shards_device_cache():
+    """TorchRec's CacheParams (or the fused params they become) and KeyValueParams'
+    max_l1_cache_size make a CUDA shard's device cache (a table's own DeviceCache wins); the
+    sharders apply this on CUDA devices only."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+    from torchrec.distributed.types import CacheParams, KeyValueParams
 
     from torchrec_kvzch.torchrec.declarations import with_device_cache
 
-    table = KVZCHTableParams("t", 8)
+    table = KVZCHTableParams("t", 8)  # fp32 rows of 32 bytes
     assert with_device_cache(table, {"learning_rate": 0.1}) is table
     got = with_device_cache(table, {"cache_load_factor": 0.3, "cache_algorithm": CacheAlgorithm.LFU}).device_cache
     assert (got.load_factor, got.rows, got.policy.value) == (0.3, None, "lfu")
     assert with_device_cache(table, {"cache_load_factor": 0.3}).device_cache.policy.value == "lru"
+    got = with_device_cache(table, {"cache_load_factor": 0.3}, CacheParams(load_factor=0.1),
+                            KeyValueParams(max_l1_cache_size=2)).device_cache  # (the constraint's factor wins)
+    assert (got.load_factor, got.rows) == (0.1, (2 << 20) // 32)
     own = KVZCHTableParams("t", 8, device_cache=DeviceCache(rows=5))
     assert with_device_cache(own, {"cache_load_factor": 0.3}) is own
+
+
+def test_the_sharders_give_cuda_shards_torchrecs_cache_and_cpu_shards_none():
+    from torchrec.distributed.types import CacheParams, ParameterSharding
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from torchrec_kvzch.torchrec.declarations import KVZCH_KERNEL
+    from torchrec_kvzch.torchrec.modules import store_plan
+
+    config = EmbeddingBagConfig(name="user", embedding_dim=8, num_embeddings=1 << 20, feature_names=["f"],
+                                use_virtual_table=True, total_num_buckets=16)
+    sharding = ParameterSharding(sharding_type="row_wise", compute_kernel=KVZCH_KERNEL, ranks=[0],
+                                 cache_params=CacheParams(load_factor=0.25))
+    for device, enabled in (("cpu", False), ("cuda", True)):
+        planned = store_plan([config], {"user": sharding}, {}, device=torch.device(device))["user"]
+        assert planned.kvzch.device_cache.enabled is enabled

@@ -8,7 +8,9 @@ Training (a run with ``gpu.json``): copies the run's ``gpu.json``, ``gpu.png``, 
 file counted) and rewrites the table between the ``gpu:table`` markers of ``docs/gpu.md``.
 Serving (a run with ``gpu_serving.json``): the same for ``gpu_serving.json`` / ``.png`` and
 ``serving.xml``, into ``gpu_serving_run.json`` and between the ``gpu:serving`` markers. A run
-of some stages (``KVZCH_CHECK_STAGES``) renews the parts it has, and leaves the others.
+Host cache (a run with ``gpu_host.json``, issue 34): the same for it and the kernel tests, into
+``gpu_host_run.json`` and between the ``gpu:host`` markers. A run of some stages
+(``KVZCH_CHECK_STAGES``) renews the parts it has, and leaves the others.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ DOCS = ROOT / "docs" / "benchmarks"
 PAGE = ROOT / "docs" / "gpu.md"
 MARKERS = ("<!-- gpu:table:start -->", "<!-- gpu:table:end -->")
 SERVING_MARKERS = ("<!-- gpu:serving:start -->", "<!-- gpu:serving:end -->")
+HOST_MARKERS = ("<!-- gpu:host:start -->", "<!-- gpu:host:end -->")
+HOST_TARGET = 0.5  # ratio_host_50_zipf (issue 34)
 SERVING_TESTS = "serving"  # (its JUnit file's stem: the serving part's, not the training part's)
 COPIES = {"gpu.json": "gpu.json", "gpu.png": "gpu.png", "gpu_dmp.json": "gpu_dmp.json", "job.json": "gpu_job.json",
           "gpu_profile.txt": "gpu_profile.txt"}
@@ -42,10 +46,10 @@ def tests(run: Path, serving: bool = False) -> dict:
     return out
 
 
-def run_record(run: Path, serving: bool = False) -> dict:
+def run_record(run: Path, serving: bool = False, bench_file: str = "gpu.json") -> dict:
     first = (run / "gpu.log").read_text().splitlines()[0]  # "== GPU check <date>, <commit>"
     date, commit = re.match(r"== GPU check (\S+), (\S+)", first).groups()
-    bench = json.loads((run / ("gpu_serving.json" if serving else "gpu.json")).read_text())
+    bench = json.loads((run / ("gpu_serving.json" if serving else bench_file)).read_text())
     return {"date": date, "commit": commit, "device": bench["device"], "tests": tests(run, serving)}
 
 
@@ -128,6 +132,33 @@ def serving_table(record: dict, bench: dict) -> str:
     return "\n".join(lines)
 
 
+def host_table(record: dict, bench: dict) -> str:
+    """The host-cache part: the kernel tests (the device cache's among them) and the training
+    steps of a table in host memory under a GPU cache."""
+    versions = ", ".join(f"{k} {bench[k]}" for k in ("torch", "cuda", "fbgemm_gpu", "torchrec"))
+    lines = [f"One run, {record['date']}, commit {record['commit']}, on one {record['device']} ({versions}).", "",
+             *test_rows(record), "",
+             f"Training step of a table of {bench['host_rows']:,} rows x {bench['dim']} fp32 (row-wise Adagrad) in "
+             f"host memory under a GPU cache, against fbgemm's TBE with the table in GPU memory (Zipf(1.05), batch "
+             f"{bench['batch']:,} x pooling {bench['pooling']}; `benchmarks/bench_gpu.py --host-cache`, "
+             f"`docs/benchmarks/gpu_host.json`; issue 34's target: `ratio_host_50_zipf` >= {HOST_TARGET}):", "",
+             "| cache | policy | ours ms | TBE ms | ratio | hit rate | fbgemm's managed-caching TBE, ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for key in (k for k in bench if k.startswith("ratio_host_")):
+        case = key[len("ratio_"):]
+        percent, policy = case.split("_")[1], case.split("_zipf")[1].lstrip("_") or "lru"
+        short = percent == "50" and bench[key] < HOST_TARGET
+        reference = bench[f"ratio_{case.replace('host_', 'fbgemm_cache_')}"]
+        lines.append(f"| {percent}% | {policy} | {bench[f'ours_ms_{case}']:.2f} | {bench[f'tbe_ms_{case}']:.2f} | "
+                     f"{'**' if short else ''}{bench[key]:.3f}{'**' if short else ''} | {bench[f'hit_rate_{case}']:.3f} | "
+                     f"{reference:.3f} |")
+    mapped = bench.get("ratio_fbgemm_cache_50_zipf_host_mapped")
+    if mapped is not None:
+        lines += ["", f"fbgemm's cache over pinned host memory (`uvm_host_mapped`) instead of managed memory: "
+                      f"ratio {mapped:.3f} at 50% (lru)."]
+    return "\n".join(lines)
+
+
 def _ms(value) -> str:
     return "" if value is None else f"{value:.2f}"
 
@@ -159,6 +190,11 @@ def main() -> int:
         record = run_record(run, serving=True)
         (DOCS / "gpu_serving_run.json").write_text(json.dumps(record, indent=1) + "\n")
         _rewrite(SERVING_MARKERS, serving_table(record, json.loads((run / "gpu_serving.json").read_text())))
+    if (run / "gpu_host.json").exists():
+        shutil.copyfile(run / "gpu_host.json", DOCS / "gpu_host.json")
+        record = run_record(run, bench_file="gpu_host.json")
+        (DOCS / "gpu_host_run.json").write_text(json.dumps(record, indent=1) + "\n")
+        _rewrite(HOST_MARKERS, host_table(record, json.loads((run / "gpu_host.json").read_text())))
     return 0
 
 

@@ -74,9 +74,10 @@ class DeviceCache:
     shard keeps its weights (and optimizer state wider than one value per row) in host memory,
     and fbgemm's TBE caches the rows its batches read in GPU memory. The cache holds ``rows``
     rows per shard, or ``load_factor`` of the rows the shard expects (its buckets' share of the
-    table's ``expected_rows``; TorchRec's ``cache_load_factor``); ``policy`` picks the rows it
-    drops first (fbgemm's LRU or LFU cache). The default, neither size, keeps every row in GPU
-    memory."""
+    table's ``expected_rows``; TorchRec's ``cache_load_factor``), or the smaller of the two when
+    both are given (as TorchRec's ``max_l1_cache_size`` caps a load factor); ``policy`` picks the
+    rows it drops first (fbgemm's LRU or LFU cache). The default, neither size, keeps every row
+    in GPU memory."""
 
     rows: int | None = None
     load_factor: float | None = None
@@ -88,16 +89,15 @@ class DeviceCache:
 
     def shard_rows(self, expected_rows: int, shard_buckets: int, total_buckets: int) -> int:
         """The cache's rows on a shard of ``shard_buckets`` of ``total_buckets``."""
-        if self.rows is not None:
-            return self.rows
-        return max(1, math.ceil(self.load_factor * expected_rows * shard_buckets / total_buckets))
+        sizes = [] if self.rows is None else [self.rows]
+        if self.load_factor is not None:
+            sizes.append(max(1, math.ceil(self.load_factor * expected_rows * shard_buckets / total_buckets)))
+        return min(sizes)
 
     def validate(self, table: str) -> "DeviceCache":
         def fail(problem: str, fix: str):
             raise ValueError(f"KV-ZCH table '{table}': device_cache {problem}; fix: {fix}")
 
-        if self.rows is not None and self.load_factor is not None:
-            fail("sets both rows and load_factor", "give one: rows per shard, or load_factor of its expected rows")
         if self.rows is not None and not positive_int(self.rows):
             fail(f"rows must be a positive integer, got {self.rows!r}", "e.g. rows=1_000_000")
         lf = self.load_factor

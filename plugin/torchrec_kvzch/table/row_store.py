@@ -379,9 +379,9 @@ class RowStore:
         return out
 
     def _new_arrays(self, rows: int) -> RowArrays:
-        # Uninitialised: _init_rows writes rows before use; zero-filling would cost more than a copy.
-        ids = self.bucket_range.id_end - self.bucket_range.id_start
-        space = max(rows, min(ids, max(_RESERVED_ROWS, 4 * rows)))
+        # Uninitialised (_init_rows writes rows before use); CUDA managed memory (a device cache's) without 4x.
+        ids, slack = self.bucket_range.id_end - self.bucket_range.id_start, 1 if self.row_cache else 4
+        space = max(rows, min(ids, max(_RESERVED_ROWS, slack * rows)))
         return RowArrays.allocate(self.layout, rows, self.device, self.native, space, self.row_cache is not None)
 
     def _resize(self, rows: int, keep: int) -> None:

@@ -4,7 +4,9 @@ fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` does the lookup, the backward
 optimizer update. Instead of owning its weights it is bound, before every forward, to the row
 store's arrays: its weights are ``store.weights`` and its optimizer state ``store.optimizer``,
 and the ids it sees are the store's dense slots. So the update lands directly in the store,
-with no gradient the size of the table and no copy of the rows.
+with no gradient the size of the table and no copy of the rows. Under a device cache (rows in
+host memory, ``row_cache.py``) the TBE is fbgemm's managed-caching one, bound to the store's
+host rows and to the cache the store owns; evaluation then pools through a dense TBE of its own.
 
 One hazard follows: the fused backward writes into the arrays the forward saw. If the store
 reallocated or moved rows in between, those writes would go to a dropped buffer or the wrong
@@ -149,6 +151,10 @@ class TableTBE(nn.Module):
                 return self.forward(ids, offsets, per_sample_weights, scores)
         if not (self.training and (torch.is_grad_enabled() or self.embedding_cache)):
             return self._evaluate(ids, offsets, per_sample_weights)
+        if self.store.row_cache is not None and self.store.pending_update is not None:
+            raise RuntimeError(f"KV-ZCH table '{self.params.name}': a training forward before the previous one's "
+                               "backward (a semi-sync pipeline) under a device cache: its cache fill could drop rows "
+                               "the pending update writes; run each backward first (TrainPipelineSparseDist)")
         slots = self.store.lookup_for_update(ids, scores)
         self._bind()
         admitted = slots >= 0 if self.store.admission is not None else None

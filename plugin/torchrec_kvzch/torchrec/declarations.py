@@ -158,19 +158,26 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
     return KVZCHTableParams(**{**fields, **extras})
 
 
-def with_device_cache(params: KVZCHTableParams, fused_params: dict | None) -> KVZCHTableParams:
-    """A CUDA shard's parameters: TorchRec's ``cache_load_factor`` and ``cache_algorithm`` (the
-    fused params ``CacheParams`` set) become its ``DeviceCache`` unless it has one of its own, as
-    upstream's DRAM virtual tables cache their host rows in GPU memory. The load factor is of the
-    rows the shard expects, not of its id space (docs/porting.md). On CPU ranks the rows are in
-    host memory already: they do not call this, as upstream's CPU TBE has no cache."""
+def with_device_cache(params: KVZCHTableParams, fused_params: dict | None, cache_params=None,
+                      key_value_params=None) -> KVZCHTableParams:
+    """A CUDA shard's parameters: TorchRec's ``CacheParams`` (``load_factor``, ``algorithm``; else
+    the fused params ``cache_load_factor``, ``cache_algorithm``) and ``KeyValueParams.max_l1_cache_size``
+    (MB, a cap) become its ``DeviceCache`` unless it has one of its own, as upstream's DRAM
+    virtual tables cache their host rows in GPU memory. The load factor is of the rows the shard
+    expects, not of its id space, and the cap is per table shard, not per TBE (docs/porting.md).
+    CPU ranks do not call this: their rows are in host memory, as upstream's CPU TBE has no cache."""
     fused = fused_params or {}
-    factor = fused.get("cache_load_factor")
-    if params.device_cache.enabled or factor is None:
+    factor = getattr(cache_params, "load_factor", None)
+    factor = fused.get("cache_load_factor") if factor is None else factor
+    megabytes = getattr(key_value_params, "max_l1_cache_size", None)
+    if params.device_cache.enabled or (factor is None and not megabytes):
         return params
-    algorithm = str(getattr(fused.get("cache_algorithm"), "name", fused.get("cache_algorithm") or "lru"))
-    return dataclasses.replace(params, device_cache=DeviceCache(load_factor=float(factor),
-                                                                policy=algorithm.rsplit(".", 1)[-1].lower()))
+    algorithm = getattr(cache_params, "algorithm", None) or fused.get("cache_algorithm") or "lru"
+    row_bytes = params.embedding_dim * params.dtype.itemsize
+    cache = DeviceCache(rows=max(1, (megabytes << 20) // row_bytes) if megabytes else None,
+                        load_factor=None if factor is None else float(factor),
+                        policy=str(getattr(algorithm, "name", algorithm)).rsplit(".", 1)[-1].lower())
+    return dataclasses.replace(params, device_cache=cache)
 
 
 def table_fused_params(fused_params: dict | None, sharding_or_constraints) -> dict:
@@ -378,6 +385,10 @@ def check_key_value_params(table: str, key_value_params, honoured: set[str] = fr
                                  f"({reason}); fix: leave it unset")
     for field in sorted(_PLACEMENT_KEYS - {"use_passed_in_path"} - honoured):  # (True by default)
         if getattr(key_value_params, field, None) is not None:
+            if field == "max_l1_cache_size":
+                _notice(table, field, "KeyValueParams.max_l1_cache_size caps the GPU cache over host rows of a "
+                        "KV-ZCH table on CUDA ranks (DeviceCache); on CPU ranks it has no use")
+                continue
             _notice(table, field, f"KeyValueParams.{field} configures SSD placement or caching; "
                     "the DRAM store has no use for it")
 

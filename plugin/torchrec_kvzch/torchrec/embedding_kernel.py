@@ -22,7 +22,6 @@ from torchrec.modules.embedding_configs import pooling_type_to_pooling_mode
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_kvzch.torchrec.declarations import with_device_cache
 from torchrec_kvzch.torchrec.state_dict import table_entries
 from torchrec_kvzch.table.tbe import TableTBE
 from torchrec_kvzch.params import BucketRange, EvictionKind, KVZCHTableParams
@@ -152,8 +151,6 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
                     f"{table.local_cols} but its KVZCHTableParams say {params.num_embeddings} x "
                     f"{params.embedding_dim}; make them agree"
                 )
-            if device.type == "cuda":  # (TorchRec's CacheParams: rows in host memory under a GPU cache)
-                params = with_device_cache(params, fused)
             buckets = shard_bucket_range(params, table, pg)
             pooling = (pooling_type_to_pooling_mode(config.pooling, sharding_type) if pooled
                        else PoolingMode.NONE)

@@ -45,7 +45,7 @@ from torchrec_kvzch.torchrec.state_dict import (
 from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.params import KVZCHTableParams, RankBudget
 from torchrec_kvzch.torchrec.declarations import (
-    KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_params)
+    KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_params, with_device_cache)
 from torchrec_kvzch.torchrec.embedding_kernel import BUDGET_KEY, FUSED_PARAMS_KEY, KVZCHEmbeddingKernel
 from torchrec_kvzch.torchrec.pretrained import sharded_with_rows, without_kvzch_weights
 from torchrec_kvzch.torchrec.tables import kvzch_kernels, kvzch_tables
@@ -86,10 +86,10 @@ class KVZCHParameterSharding(ParameterSharding):
 
 
 def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict | None,
-               budget: SharedBudget | None = None) -> dict[str, ParameterSharding]:
-    """A module's plan with its KV-ZCH tables moved to ``STORE_KERNEL``, each carrying its
-    parameters (from our planner, else its declarations), the module's group of them and the
-    rank ``budget``, which reach the kernel as fused params; other tables' entries unchanged."""
+               budget: SharedBudget | None = None, device: torch.device | None = None) -> dict[str, ParameterSharding]:
+    """A module's plan with its KV-ZCH tables moved to ``STORE_KERNEL``, each carrying its parameters (from
+    our planner, else its declarations; on CUDA with TorchRec's cache declarations), the module's group of them
+    and the rank ``budget``, which reach the kernel as fused params; other tables' entries unchanged."""
     by_name = {c.name: c for c in configs}
     chosen = {}
     for name, sharding in plan.items():
@@ -100,9 +100,10 @@ def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict |
         if explicit is None and kernel == STORE_KERNEL:
             raise ValueError(f"table '{name}' is planned on {STORE_KERNEL} without KV-ZCH "
                              f"parameters; plan it on {KVZCH_KERNEL} (KVZCHShardingPlanner does)")
-        params = table_params(by_name[name], KVZCH_KERNEL if kernel == STORE_KERNEL else kernel,
-                              sharding.key_value_params, table_fused_params(fused_params, sharding),
-                              explicit)
+        fused, kv = table_fused_params(fused_params, sharding), sharding.key_value_params
+        params = table_params(by_name[name], KVZCH_KERNEL if kernel == STORE_KERNEL else kernel, kv, fused, explicit)
+        if device is not None and torch.device(device).type == "cuda":  # (host rows under a GPU cache)
+            params = with_device_cache(params, fused, sharding.cache_params, kv)
         if sharding.sharding_type != ROW_WISE:
             raise ValueError(f"KV-ZCH table '{name}' is planned {sharding.sharding_type}; KV-ZCH "
                              f"tables are sharded row-wise by buckets (sharding_types=['{ROW_WISE}'])")
@@ -130,11 +131,9 @@ class KVZCHSequenceLookup(GroupedEmbeddingsLookup):
 # -- row-wise shardings that create those lookups --------------------------------------------
 class KVZCHRwPooledSharding(RwPooledEmbeddingSharding):
     def create_lookup(self, device=None, fused_params=None, feature_processor=None):
-        return KVZCHPooledLookup(
-            grouped_configs=self._grouped_embedding_configs, pg=self._pg,
-            device=device if device is not None else self._device,
-            feature_processor=feature_processor, sharding_type=ShardingType.ROW_WISE,
-            env=self._env)
+        device = device if device is not None else self._device
+        return KVZCHPooledLookup(grouped_configs=self._grouped_embedding_configs, pg=self._pg, device=device,
+                                 feature_processor=feature_processor, sharding_type=ShardingType.ROW_WISE, env=self._env)
 
 
 class KVZCHRwSequenceSharding(RwSequenceEmbeddingSharding):
@@ -358,7 +357,7 @@ class KVZCHEmbeddingBagCollectionSharder(_KVZCHSharderMixin, EmbeddingBagCollect
     _tables_attr = "embedding_bags"
 
     def shard(self, module, params, env, device=None, module_fqn=None):
-        params = store_plan(module.embedding_bag_configs(), params, self.fused_params, self.shared_budget)
+        params = store_plan(module.embedding_bag_configs(), params, self.fused_params, self.shared_budget, device)
         return self._build(module, params, lambda: KVZCHShardedEmbeddingBagCollection(
             module=module, table_name_to_parameter_sharding=params, env=env,
             fused_params=self.fused_params, device=device,
@@ -376,7 +375,7 @@ class KVZCHEmbeddingCollectionSharder(_KVZCHSharderMixin, EmbeddingCollectionSha
     _tables_attr = "embeddings"
 
     def shard(self, module, params, env, device=None, module_fqn=None):
-        params = store_plan(module.embedding_configs(), params, self.fused_params, self.shared_budget)
+        params = store_plan(module.embedding_configs(), params, self.fused_params, self.shared_budget, device)
         return self._build(module, params, lambda: KVZCHShardedEmbeddingCollection(
             module, params, env, self.fused_params, device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,

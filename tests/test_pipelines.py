@@ -4,6 +4,10 @@ batches, comparing every loss, every KV-ZCH row with its header, and the dense w
 
 * ``TrainPipelineSparseDist`` overlaps batch i+1's input all-to-all with batch i; nothing a step
   computes changes, so it must match the plain loop exactly (CPU on two gloo ranks, and CUDA).
+* ``PrefetchTrainPipelineSparseDist`` (CUDA only) looks batch i+1 up and, with a device cache
+  (issue 34) whose ``prefetch_pipeline`` is set, brings its rows into the cache, between batch
+  i's forward and backward; nothing a step computes changes, so it matches the plain loop over
+  the same cached tables.
 * ``TrainPipelineSemiSync`` (CUDA only in TorchRec) also looks batch i+1's embeddings up before
   batch i's backward, from ``start_batch`` on: each such batch reads its rows one update stale,
   and its lookup may insert rows while batch i's fused update is still pending. Its reference
@@ -11,6 +15,8 @@ batches, comparing every loss, every KV-ZCH row with its header, and the dense w
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -20,14 +26,20 @@ from _dist import run_ranks
 from torchrec_kvzch.job import config_path
 from torchrec_kvzch.job.data import SyntheticClickLog
 from torchrec_kvzch.job.model import build_model
+from torchrec_kvzch.params import DeviceCache
 from torchrec_kvzch.torchrec import kvzch_tables
 from torchrec_kvzch.torchrec.config import load_config
 
 STEPS, GLOBAL_BATCH = 8, 512
 
 
-def _model(device: torch.device, world_size: int):
+def _model(device: torch.device, world_size: int, cached: bool = False):
     config = load_config(config_path("quickstart"))
+    if cached:  # the KV-ZCH tables' rows in host memory under a GPU cache of 256 rows a shard, prefetched
+        cache = DeviceCache(rows=256, prefetch_pipeline=True)
+        config = dataclasses.replace(config, tables=tuple(
+            dataclasses.replace(t, kvzch=dataclasses.replace(t.kvzch, device_cache=cache)) if t.kvzch else t
+            for t in config.tables))
     torch.manual_seed(0)  # the same dense initialisation in every run
     model, optimizer, _, _ = build_model(config, device, GLOBAL_BATCH // world_size, dense_lr=0.05)
     return config, model, optimizer
@@ -43,16 +55,18 @@ def _state(model, losses) -> dict:
     return {"losses": losses, "rows": rows, "dense": dense}
 
 
-def train(rank: int, world_size: int, device_type: str, how: str, start_batch: int = 0) -> dict:
+def train(rank: int, world_size: int, device_type: str, how: str, start_batch: int = 0, cached: bool = False) -> dict:
     """``how``: "plain", "plain-semi-sync" (the plain loop with semi-sync's early lookups from
-    ``start_batch`` on), "sparse-dist" or "semi-sync" (TorchRec's pipelines)."""
+    ``start_batch`` on), "sparse-dist", "prefetch" or "semi-sync" (TorchRec's pipelines).
+    ``cached``: the KV-ZCH tables under device caches (CUDA)."""
     from torchrec.distributed.train_pipeline.train_pipelines import (
+        PrefetchTrainPipelineSparseDist,
         TrainPipelineSemiSync,
         TrainPipelineSparseDist,
     )
 
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device(device_type)
-    config, model, optimizer = _model(device, world_size)
+    config, model, optimizer = _model(device, world_size, cached)
     data = SyntheticClickLog(config, GLOBAL_BATCH, seed=1)
     batches = [data.batch(step, rank, world_size) for step in range(STEPS)]
     losses = []
@@ -71,6 +85,7 @@ def train(rank: int, world_size: int, device_type: str, how: str, start_batch: i
             losses.append(loss.item())
     else:
         pipeline = (TrainPipelineSparseDist(model, optimizer, device) if how == "sparse-dist" else
+                    PrefetchTrainPipelineSparseDist(model, optimizer, device) if how == "prefetch" else
                     TrainPipelineSemiSync(model, optimizer, device, start_batch=start_batch))
         it = iter(batches)
         for _ in range(STEPS):
@@ -117,3 +132,49 @@ def test_semi_sync_pipeline_trains_like_a_plain_loop_with_early_lookups(start_ba
     want = run_ranks(1, train, "cuda", "plain-semi-sync", start_batch, backend="nccl", timeout=600)[0]
     got = run_ranks(1, train, "cuda", "semi-sync", start_batch, backend="nccl", timeout=600)[0]
     assert_same(got, want, exact=False)
+
+
+@requires_cuda()
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="TorchRec's prefetch pipeline and device caches run on CUDA only")
+def test_prefetch_pipeline_over_device_caches_trains_like_a_plain_loop():
+    want = run_ranks(1, train, "cuda", "plain", 0, True, backend="nccl", timeout=600)[0]
+    got = run_ranks(1, train, "cuda", "prefetch", 0, True, backend="nccl", timeout=600)[0]
+    assert_same(got, want, exact=False)
+
+
+@pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", "adam"])
+def test_a_table_looked_up_between_forward_and_backward_trains_as_in_a_plain_loop(optimizer):
+    """What the prefetch pipeline does to each KV-ZCH table (``TableTBE.prefetch``): batch i+1's
+    lookup between batch i's forward and backward, its forward then taking those slots. Outputs,
+    rows and headers are the plain loop's, bit for bit; a forward of other ids, or an evaluation
+    while a prefetched batch waits, is refused."""
+    from torchrec_kvzch import KVZCHTableParams
+    from torchrec_kvzch.table.tbe import TableTBE
+
+    p = KVZCHTableParams("t", 8, num_embeddings=2**30, total_num_buckets=8, optimizer=optimizer, learning_rate=0.05)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 3000, (64,), generator=gen) for _ in range(6)]
+    grads = [torch.randn(16, 8, generator=gen) for _ in batches]
+    offsets = torch.arange(0, 65, 4)
+    plain, ahead = (TableTBE(p, p.bucket_range(0, 1), initial_rows=4000) for _ in range(2))
+    want = []
+    for ids, grad in zip(batches, grads):
+        out = plain(ids, offsets)
+        out.backward(grad)
+        want.append(out.detach())
+    ahead.prefetch(batches[0], offsets)
+    for i, (ids, grad) in enumerate(zip(batches, grads)):
+        out = ahead(ids, offsets)
+        if i + 1 < len(batches):
+            ahead.prefetch(batches[i + 1], offsets)  # before this batch's update
+        out.backward(grad)
+        assert torch.equal(out.detach(), want[i])
+    keys = torch.sort(plain.store.keys()).values
+    assert torch.equal(torch.sort(ahead.store.keys()).values, keys)
+    assert torch.equal(ahead.store.read_ids(keys, "row").view(torch.int32), plain.store.read_ids(keys, "row").view(torch.int32))
+    ahead.prefetch(batches[0], offsets)
+    with pytest.raises(RuntimeError, match="other ids than the batch prefetched"):
+        ahead(batches[1], offsets)
+    ahead.prefetch(batches[0], offsets)
+    with pytest.raises(RuntimeError, match="while a prefetched training batch waits"), torch.no_grad():
+        ahead(batches[0], offsets)

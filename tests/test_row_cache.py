@@ -190,6 +190,19 @@ def test_a_device_cache_is_refused_where_it_cannot_serve():
         KVZCHTableParams("t", 8, device_cache=DeviceCache(rows=10), storage=DiskStorage("/tmp/x", cache_bytes=1 << 20))
     with pytest.raises(ValueError, match="policy"):
         KVZCHTableParams("t", 8, device_cache=DeviceCache(rows=10, policy="fifo"))
+    with pytest.raises(ValueError, match="prefetch_pipeline needs policy 'lru'"):
+        KVZCHTableParams("t", 8, device_cache=DeviceCache(rows=10, policy="lfu", prefetch_pipeline=True))
+    with pytest.raises(ValueError, match="prefetch_pipeline is set without a cache"):
+        KVZCHTableParams("t", 8, device_cache=DeviceCache(prefetch_pipeline=True))
+
+
+def test_a_prefetch_pipeline_is_refused_for_updates_the_table_runs_itself(fake):
+    from torchrec_kvzch.table.tbe import TableTBE
+
+    p = KVZCHTableParams("t", 8, num_embeddings=2**30, total_num_buckets=16, optimizer="adam",  # (its own update)
+                         device_cache=DeviceCache(rows=64, prefetch_pipeline=True))
+    with pytest.raises(ValueError, match="prefetch_pipeline with an update the table runs itself"):
+        TableTBE(p, p.bucket_range(0, 1))
 
 
 def test_the_cache_size_follows_the_shard(fake):
@@ -216,6 +229,9 @@ def test_torchrecs_cache_declarations_size_a_cuda_shards_device_cache():
     got = with_device_cache(table, {"cache_load_factor": 0.3, "cache_algorithm": CacheAlgorithm.LFU}).device_cache
     assert (got.load_factor, got.rows, got.policy.value) == (0.3, None, "lfu")
     assert with_device_cache(table, {"cache_load_factor": 0.3}).device_cache.policy.value == "lru"
+    assert with_device_cache(table, {"cache_load_factor": 0.3, "prefetch_pipeline": True}).device_cache.prefetch_pipeline
+    assert with_device_cache(table, {"prefetch_pipeline": True}, CacheParams(load_factor=0.1, prefetch_pipeline=False)
+                             ).device_cache.prefetch_pipeline is False
     got = with_device_cache(table, {"cache_load_factor": 0.3}, CacheParams(load_factor=0.1),
                             KeyValueParams(max_l1_cache_size=2)).device_cache  # (the constraint's factor wins)
     assert (got.load_factor, got.rows) == (0.1, (2 << 20) // 32)

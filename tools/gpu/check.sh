@@ -99,6 +99,6 @@ stage dmp "DMP benchmark" 90 "$py" -m torch.distributed.run --standalone --nproc
   --json "$out/gpu_dmp.json"
 [ "$dev" = cuda ] && stage host "host-cache benchmark" 170 "$py" benchmarks/bench_gpu.py --host-cache --steps 40 \
   --warmup 10 --json "$out/gpu_host.json"
-stage pipelines "pipelines" 150 "${pytest[@]}" tests/test_pipelines.py -k "cuda or semi_sync_pipeline" \
+stage pipelines "pipelines" 150 "${pytest[@]}" tests/test_pipelines.py -k "cuda or semi_sync_pipeline or prefetch_pipeline" \
   --junitxml="$out/pipelines.xml"
 finish

@@ -76,12 +76,15 @@ class DeviceCache:
     rows per shard, or ``load_factor`` of the rows the shard expects (its buckets' share of the
     table's ``expected_rows``; TorchRec's ``cache_load_factor``), or the smaller of the two when
     both are given (as TorchRec's ``max_l1_cache_size`` caps a load factor); ``policy`` picks the
-    rows it drops first (fbgemm's LRU or LFU cache). The default, neither size, keeps every row
-    in GPU memory."""
+    rows it drops first (fbgemm's LRU or LFU cache). ``prefetch_pipeline``: TorchRec's
+    ``PrefetchTrainPipelineSparseDist`` brings each next batch's rows in while a batch trains
+    (fbgemm's prefetch pipeline: LRU only, and not for the updates a table runs itself). The
+    default, neither size, keeps every row in GPU memory."""
 
     rows: int | None = None
     load_factor: float | None = None
     policy: CachePolicy | str = CachePolicy.LRU
+    prefetch_pipeline: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -104,4 +107,11 @@ class DeviceCache:
         if lf is not None and not (isinstance(lf, (int, float)) and not isinstance(lf, bool) and 0 < lf <= 1):
             fail(f"load_factor must be a number in (0, 1], got {lf!r}", "e.g. load_factor=0.2")
         policy = member(CachePolicy, self.policy, "policy", lambda problem: fail(problem, "e.g. policy='lfu'"))
+        if not isinstance(self.prefetch_pipeline, bool):
+            fail(f"prefetch_pipeline must be True or False, got {self.prefetch_pipeline!r}", "pass a bool")
+        if self.prefetch_pipeline and not self.enabled:
+            fail("prefetch_pipeline is set without a cache to prefetch into", "give rows or load_factor too")
+        if self.prefetch_pipeline and policy is not CachePolicy.LRU:
+            fail("prefetch_pipeline needs policy 'lru' (fbgemm's prefetch pipeline locks LRU cache lines only)",
+                 "use policy='lru', or drop prefetch_pipeline")
         return dataclasses.replace(self, policy=policy)

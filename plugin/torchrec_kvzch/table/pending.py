@@ -4,9 +4,13 @@ fbgemm's TBE writes each training batch's update into the store's arrays during 
 the slots its forward looked up; until then no row may move (``RowStore`` refuses to evict or
 grow) and a frozen snapshot copies those rows aside first. Usually one is pending at a time;
 TorchRec's semi-sync pipeline looks the next batch up before this one's backward, so two are.
+A training output's gradient hook (``UpdateHook``) tells the store its update is starting.
 """
 
 from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -61,3 +65,17 @@ def _refusal(table: str, what: str, fix: str) -> RuntimeError:
         f"TorchRec's TrainPipelineSemiSync does) would have to {what} while that backward's "
         f"fused update is pending, which would then write the wrong rows; {fix}, or run "
         "backward between forwards (a plain loop, or TrainPipelineSparseDist)")
+
+
+class UpdateHook:
+    """The gradient hook of a training output: its fused update is starting. Held by the output
+    and its graph only, so an output dropped without a backward ends its pending update too."""
+
+    def __init__(self, store, update, before: Callable[[], None] | None = None) -> None:
+        self.store, self.update, self.before = store, update, before
+        weakref.finalize(self, store.update_started, update)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self.before is not None:  # (what the update needs done to its rows first)
+            self.before()
+        self.store.update_started(self.update)

@@ -66,6 +66,7 @@ class RowCache:
         p, r = store.params, store.bucket_range
         self.rows = params.shard_rows(p.expected_rows, r.num_buckets, p.total_num_buckets)
         self.policy = CachePolicy(params.policy)
+        self.prefetch_pipeline = params.prefetch_pipeline
         self.sets = -(-self.rows // ASSOC)
         if self.policy is CachePolicy.LFU and self.sets >= _LFU_MAX_SETS:
             raise ValueError(f"KV-ZCH table '{p.name}': an lfu device cache of {self.rows} rows has more than "
@@ -77,6 +78,7 @@ class RowCache:
         self._state = torch.full((self.sets + 1, ASSOC), -1, dtype=torch.long, device=device)
         self._weights = torch.zeros(self.sets * ASSOC + 1, dim, dtype=store.layout.dtype, device=device)
         self._lru = torch.zeros(self.sets + 1, ASSOC, dtype=torch.long, device=device)
+        self.locks = torch.zeros(self.sets, ASSOC, dtype=torch.int32, device=device)  # (prefetch pipeline's)
         self.lfu = torch.zeros(1, dtype=torch.long, device=device)  # counts by slot (+ one), lfu only
         self.zeros_long = torch.zeros(1, dtype=torch.long, device=device)
         self.dim_offsets = torch.tensor([0, dim], dtype=torch.int32, device=device)
@@ -123,7 +125,8 @@ class RowCache:
         for name, value in (("lxu_cache_state", self.state), ("lxu_cache_weights", self.weights),
                             ("lxu_state", self.lfu if self.policy is CachePolicy.LFU else self.lru),
                             ("cache_hash_size_cumsum", self.cumsum(features)),
-                            ("cache_index_table_map", self.index_map), ("total_cache_hash_size", self.capacity)):
+                            ("cache_index_table_map", self.index_map), ("total_cache_hash_size", self.capacity),
+                            ("lxu_cache_locking_counter", self.locks)):
             if name in tbe._buffers and not isinstance(value, torch.Tensor):
                 del tbe._buffers[name]  # (an int where fbgemm registered a placeholder tensor)
             # (.data: autograd's version counter apart from ours, as TableTBE binds the store's
@@ -187,4 +190,4 @@ class RowCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self._state, self._weights, self._lru, self.lfu,
-                                                          self.index_map))
+                                                          self.index_map, self.locks))

@@ -19,7 +19,8 @@ every checkpoint, as fbgemm counts its ``iter`` per forward.
 State per row, fp32 after the weights as in upstream's whole rows: Adam ``[m (D) | v (D)]``,
 partial row-wise Adam ``[v | m (D)]``, row-wise Adagrad ``[a]``. fp16 weights are updated in
 fp32 and rounded back, stochastically when the table asks for it (bits drawn from the row's id,
-column and step, so a rerun rounds alike).
+column and step, so a rerun rounds alike). ``OwnUpdate`` is the autograd function whose backward
+runs the update.
 """
 
 from __future__ import annotations
@@ -146,3 +147,22 @@ def _round(w: torch.Tensor, dtype: torch.dtype, stochastic: bool, ids: torch.Ten
     finite = torch.isfinite(w)
     bits = torch.where(finite, (bits + draws.int()) & ~_FP16_DROPPED, bits)
     return bits.view(torch.float32).to(dtype)
+
+
+class OwnUpdate(torch.autograd.Function):
+    """A training lookup (of ``table``, a ``TableTBE``) whose backward is the table's own update:
+    the forward is fbgemm's lookup alone; the backward sums the gradient per distinct row and
+    updates the rows in place (``TableTBE.own_update``, then ``apply``), at the clock of the
+    forward (bias correction's step). Its output hangs on ``anchor`` so that autograd calls the
+    backward."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, tbe, slots, offsets, per_sample_weights):
+        ctx.table, ctx.tbe, ctx.step = table, tbe, table.store.clock
+        ctx.lookup = (slots, offsets, per_sample_weights)
+        return tbe(slots, offsets, per_sample_weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight_grads = ctx.table.own_update(ctx.tbe, grad, *ctx.lookup, ctx.step)
+        return None, None, None, None, None, weight_grads if ctx.needs_input_grad[5] else None

@@ -22,8 +22,6 @@ forward saved (the TBE sees the arrays through aliases with version counters of 
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Callable
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -41,7 +39,8 @@ from torch import nn
 
 from torchrec_kvzch.params import AdmissionDefault, BucketRange, CachePolicy, KVZCHTableParams, OptimizerKind
 from torchrec_kvzch.table.rank_budget import SharedBudget
-from torchrec_kvzch.table.row_optimizers import (Hyper, apply, lookup_gradients, runs_itself,
+from torchrec_kvzch.table.pending import UpdateHook
+from torchrec_kvzch.table.row_optimizers import (Hyper, OwnUpdate, apply, lookup_gradients, runs_itself,
                                                  sample_weight_gradients)
 from torchrec_kvzch.table.row_store import RowStore
 
@@ -89,7 +88,7 @@ class TableTBE(nn.Module):
         location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
         # Adam, partial row-wise Adam and row-wise Adagrad with L2 decay: the table's own update
-        # (row_optimizers.py) in the backward of ``_OwnUpdate``; fbgemm's TBE only looks up.
+        # (row_optimizers.py) in the backward of ``OwnUpdate``; fbgemm's TBE only looks up.
         self._own = runs_itself(params)
         # Else weight decay: fbgemm's SGD has none and its CPU rowwise Adagrad drops it (measured:
         # tests/test_weight_decay.py), so the update hook shrinks the rows first (``_decay``).
@@ -97,6 +96,11 @@ class TableTBE(nn.Module):
         self._anchor = torch.zeros((), requires_grad=True)  # (what an own update's output hangs on)
 
         cache = self.store.row_cache
+        if cache is not None and cache.prefetch_pipeline and self._own:
+            raise ValueError(f"KV-ZCH table '{params.name}': device_cache.prefetch_pipeline with an update the table "
+                             f"runs itself ({params.optimizer.value}, weight decay {params.weight_decay_mode.value}), "
+                             "which fbgemm's prefetch pipeline would leave its cache lines locked for; drop "
+                             "prefetch_pipeline, or train with exact_rowwise_adagrad or exact_sgd")
 
         def one_row_tbe(cached: bool = False) -> SplitTableBatchedEmbeddingBagsCodegen:
             # cached: fbgemm's managed-caching placement; its cache is the store's (row_cache.py)
@@ -106,6 +110,7 @@ class TableTBE(nn.Module):
                 [(1, params.embedding_dim, where, compute)],
                 cache_sets=1 if cached else 0,
                 cache_algorithm=algorithm,
+                prefetch_pipeline=cached and cache.prefetch_pipeline,
                 cache_precision=_PRECISION[params.dtype],
                 feature_table_map=[0] * num_features,
                 optimizer=(OptimizerKind.EXACT_SGD if self._own else params.optimizer).to_fbgemm(),
@@ -136,6 +141,7 @@ class TableTBE(nn.Module):
         # TorchRec's enable_embedding_update: rows come from ``write``; a training lookup makes and
         # stamps rows as any other, but never trains them (upstream runs it without gradients).
         self.embedding_cache = False
+        self._prefetched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, slots) of prefetched batches
 
     # -- forward ------------------------------------------------------------------------------
     def forward(
@@ -150,12 +156,21 @@ class TableTBE(nn.Module):
             with torch.no_grad():
                 return self.forward(ids, offsets, per_sample_weights, scores)
         if not (self.training and (torch.is_grad_enabled() or self.embedding_cache)):
+            if self._prefetched:
+                raise RuntimeError(f"KV-ZCH table '{self.params.name}': an evaluation lookup while a prefetched training "
+                                   "batch waits for its forward; train it first")
             return self._evaluate(ids, offsets, per_sample_weights)
         if self.store.row_cache is not None and self.store.pending_update is not None:
             raise RuntimeError(f"KV-ZCH table '{self.params.name}': a training forward before the previous one's "
                                "backward (a semi-sync pipeline) under a device cache: its cache fill could drop rows "
                                "the pending update writes; run each backward first (TrainPipelineSparseDist)")
-        slots = self.store.lookup_for_update(ids, scores)
+        if self._prefetched:  # (TorchRec's prefetch pipeline looked this batch up already: prefetch())
+            seen, slots = self._prefetched.pop(0)
+            if seen.shape != ids.shape or not torch.equal(seen, ids):
+                raise RuntimeError(f"KV-ZCH table '{self.params.name}': a training forward of other ids than the batch "
+                                   "prefetched for it; prefetch each batch once, in the order of the forwards")
+        else:
+            slots = self.store.lookup_for_update(ids, scores)
         self._bind()
         admitted = slots >= 0 if self.store.admission is not None else None
         default_used = not (admitted is None or bool(admitted.all()))
@@ -166,8 +181,27 @@ class TableTBE(nn.Module):
             slots = slots[admitted]
         if out.requires_grad:
             decay = (lambda: self._decay(slots, default_used)) if self._decays_itself else None
-            out.register_hook(_UpdateHook(self.store, self.store.expect_update(slots), decay))
+            out.register_hook(UpdateHook(self.store, self.store.expect_update(slots), decay))
         return out
+
+    def prefetch(self, ids: torch.Tensor, offsets: torch.Tensor, scores: torch.Tensor | None = None,
+                 forward_stream: torch.cuda.Stream | None = None) -> None:
+        """TorchRec's prefetch pipeline, between a batch's forward and backward, for the next batch: its
+        training lookup (clock step, admission, eviction, new rows) runs now, and its forward takes the
+        slots. Under a device cache with ``prefetch_pipeline``, fbgemm's TBE brings its rows into the
+        cache too, locking them and the current batch's until each one's backward (else the forward
+        fills the cache itself). Evaluation batches look up in their forward."""
+        if not (self.training and torch.is_grad_enabled()) or self.embedding_cache:
+            return
+        slots = self.store.lookup_for_update(ids, scores)
+        self._bind()
+        cache = self.store.row_cache
+        if forward_stream is not None:  # (made on the prefetch stream, read on the forward's)
+            ids.record_stream(forward_stream)
+            slots.record_stream(forward_stream)
+        if cache is not None and cache.prefetch_pipeline and (self.store.admission is None or bool((slots >= 0).all())):
+            self.tbe.prefetch(slots, offsets.long(), forward_stream)  # (the forward's own indices and offsets)
+        self._prefetched.append((ids, slots))
 
     def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """TorchRec's embedding write: ``rows`` ``[n, D]`` become the weights of ``ids`` (rows created
@@ -241,7 +275,7 @@ class TableTBE(nn.Module):
         """``tbe``'s training lookup: fbgemm's own autograd (its fused update), or ours."""
         if not self._own:
             return tbe(slots, offsets, per_sample_weights)
-        return _OwnUpdate.apply(self._anchor, self, tbe, slots, offsets, per_sample_weights)
+        return OwnUpdate.apply(self._anchor, self, tbe, slots, offsets, per_sample_weights)
 
     def own_update(self, tbe, grad: torch.Tensor, slots, offsets, per_sample_weights, step: int) -> torch.Tensor | None:
         """The own update of the rows ``tbe`` looked up (the store's, or the default row's) from
@@ -345,35 +379,3 @@ class TableTBE(nn.Module):
         if isinstance(current, nn.Parameter):
             tensor = nn.Parameter(tensor, requires_grad=current.requires_grad)
         setattr(tbe, name, tensor)
-
-
-class _OwnUpdate(torch.autograd.Function):
-    """A training lookup whose backward is the table's own update: the forward is fbgemm's
-    lookup alone; the backward sums the gradient per distinct row and updates the rows in place
-    (``row_optimizers.py``), at the clock of the forward (bias correction's step). Its output
-    hangs on ``anchor`` so that autograd calls the backward."""
-
-    @staticmethod
-    def forward(ctx, anchor, table: TableTBE, tbe, slots, offsets, per_sample_weights):
-        ctx.table, ctx.tbe, ctx.step = table, tbe, table.store.clock
-        ctx.lookup = (slots, offsets, per_sample_weights)
-        return tbe(slots, offsets, per_sample_weights)
-
-    @staticmethod
-    def backward(ctx, grad):
-        weight_grads = ctx.table.own_update(ctx.tbe, grad, *ctx.lookup, ctx.step)
-        return None, None, None, None, None, weight_grads if ctx.needs_input_grad[5] else None
-
-
-class _UpdateHook:
-    """The gradient hook of a training output: its fused update is starting. Held by the output
-    and its graph only, so an output dropped without a backward ends its pending update too."""
-
-    def __init__(self, store: RowStore, update, before: Callable[[], None] | None = None) -> None:
-        self.store, self.update, self.before = store, update, before
-        weakref.finalize(self, store.update_started, update)
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        if self.before is not None:  # (what the update needs done to its rows first)
-            self.before()
-        self.store.update_started(self.update)

@@ -160,23 +160,24 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
 
 def with_device_cache(params: KVZCHTableParams, fused_params: dict | None, cache_params=None,
                       key_value_params=None) -> KVZCHTableParams:
-    """A CUDA shard's parameters: TorchRec's ``CacheParams`` (``load_factor``, ``algorithm``; else
-    the fused params ``cache_load_factor``, ``cache_algorithm``) and ``KeyValueParams.max_l1_cache_size``
-    (MB, a cap) become its ``DeviceCache`` unless it has one of its own, as upstream's DRAM
-    virtual tables cache their host rows in GPU memory. The load factor is of the rows the shard
-    expects, not of its id space, and the cap is per table shard, not per TBE (docs/porting.md).
-    CPU ranks do not call this: their rows are in host memory, as upstream's CPU TBE has no cache."""
-    fused = fused_params or {}
-    factor = getattr(cache_params, "load_factor", None)
-    factor = fused.get("cache_load_factor") if factor is None else factor
-    megabytes = getattr(key_value_params, "max_l1_cache_size", None)
+    """A CUDA shard's parameters: TorchRec's ``CacheParams`` (``load_factor``, ``algorithm``,
+    ``prefetch_pipeline``; else the same fused params) and ``KeyValueParams.max_l1_cache_size``
+    (MB, a cap) become its ``DeviceCache`` unless it has one of its own, as upstream's DRAM virtual tables
+    cache their host rows in GPU memory; the load factor is of the rows the shard expects, the cap per
+    table shard (docs/porting.md). CPU ranks do not call this (upstream's CPU TBE has no cache either)."""
+    def declared(name: str, fused_name: str):  # (a table's CacheParams over the sharders' fused params)
+        own = getattr(cache_params, name, None)
+        return (fused_params or {}).get(fused_name) if own is None else own
+
+    factor, megabytes = declared("load_factor", "cache_load_factor"), getattr(key_value_params, "max_l1_cache_size", None)
     if params.device_cache.enabled or (factor is None and not megabytes):
         return params
-    algorithm = getattr(cache_params, "algorithm", None) or fused.get("cache_algorithm") or "lru"
+    algorithm, pipelined = declared("algorithm", "cache_algorithm") or "lru", declared("prefetch_pipeline", "prefetch_pipeline")
     row_bytes = params.embedding_dim * params.dtype.itemsize
     cache = DeviceCache(rows=max(1, (megabytes << 20) // row_bytes) if megabytes else None,
                         load_factor=None if factor is None else float(factor),
-                        policy=str(getattr(algorithm, "name", algorithm)).rsplit(".", 1)[-1].lower())
+                        policy=str(getattr(algorithm, "name", algorithm)).rsplit(".", 1)[-1].lower(),
+                        prefetch_pipeline=bool(pipelined))
     return dataclasses.replace(params, device_cache=cache)
 
 
@@ -337,7 +338,7 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
                 fail(f"fused param {key}={value!r} is not supported by the KV-ZCH kernel "
                      f"(it uses {_FIXED_KEYS[key]})",
                      "drop it, or give the KV-ZCH tables sharders without it")
-        elif key in ("cache_load_factor", "cache_algorithm"):
+        elif key in ("cache_load_factor", "cache_algorithm", "prefetch_pipeline"):
             _notice(table, key, f"fused param '{key}' sizes the GPU cache over host rows of a KV-ZCH table "
                     "on CUDA ranks (DeviceCache); on CPU ranks the rows are in host memory and it has no use")
         elif key in _PLACEMENT_KEYS or key.startswith("ssd_"):

@@ -179,23 +179,31 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         if features.variable_stride_per_key() or vbe:
             raise NotImplementedError(
                 "KV-ZCH tables do not support variable batch sizes per feature (VBE) yet")
-        parts = (features.split(self._features_per_table) if len(self.tables) > 1 else [features])
         outs = []
         hyper = self._optim.hyper_parameters()
-        for (name, tbe), kjt, offset, source in zip(self.tables.items(), parts, self._row_offsets,
-                                                    self._score_sources):
+        for name, tbe, kjt, ids, source in self._per_table(features):
             tbe.set_hyper_parameters(*hyper[name])
-            ids = kjt.values().long() + offset  # local -> global ids
             outs.append(tbe(ids, kjt.offsets(), kjt.weights_or_none() if self._weighted else None,
                             _scores(source, kjt)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1 if self._pooled else 0)
 
+    def prefetch(self, features: KeyedJaggedTensor, forward_stream: torch.cuda.Stream | None = None) -> None:
+        """TorchRec's prefetch pipeline (``lookups.py``): each table's lookup of the next batch now,
+        between this batch's forward and backward (``TableTBE.prefetch``)."""
+        for _, tbe, kjt, ids, source in self._per_table(features):
+            tbe.prefetch(ids, kjt.offsets(), _scores(source, kjt), forward_stream)
+
     def update(self, embeddings: KeyedJaggedTensor) -> None:
         """TorchRec's embedding write, after its write distribution: the KJT's (local) ids, each
         with its row in ``weights()`` ``[n, D]``, become the rows of this rank's stores."""
-        parts = (embeddings.split(self._features_per_table) if len(self.tables) > 1 else [embeddings])
-        for tbe, kjt, offset in zip(self.tables.values(), parts, self._row_offsets):
-            tbe.write(kjt.values().long() + offset, kjt.weights())
+        for _, tbe, kjt, ids, _ in self._per_table(embeddings):
+            tbe.write(ids, kjt.weights())
+
+    def _per_table(self, features: KeyedJaggedTensor):
+        """Per table: (name, its ``TableTBE``, its part of ``features``, their global ids, its score source)."""
+        parts = features.split(self._features_per_table) if len(self.tables) > 1 else [features]
+        for (name, tbe), kjt, offset, source in zip(self.tables.items(), parts, self._row_offsets, self._score_sources):
+            yield name, tbe, kjt, kjt.values().long() + offset, source
 
     # -- what TorchRec's sharded modules call on a kernel ------------------------------------
     # The rows live in the store, not in parameters: nothing is exposed as a parameter or

@@ -1,6 +1,6 @@
 """TorchRec's CUSTOMIZED_KERNEL extension chain, subclassed for KV-ZCH tables.
 
-sharder.shard() -> sharded EBC/EC -> row-wise sharding -> lookup -> KVZCHEmbeddingKernel.
+sharder.shard() -> sharded EBC/EC -> row-wise sharding -> lookup (``lookups.py``) -> KVZCHEmbeddingKernel.
 
 Every step is a subclass of a public TorchRec class overriding one factory method; tables on
 other kernels (e.g. FUSED) in the same module go through the stock code unchanged. The
@@ -21,18 +21,11 @@ from typing import Any
 
 import torch
 from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
-from torchrec.distributed.embedding_lookup import (
-    GroupedEmbeddingsLookup,
-    GroupedPooledEmbeddingsLookup,
-)
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
     replace_placement_with_meta_device,
 )
-from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
-from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
@@ -46,16 +39,15 @@ from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.params import KVZCHTableParams, RankBudget
 from torchrec_kvzch.torchrec.declarations import (
     KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_params, with_device_cache)
-from torchrec_kvzch.torchrec.embedding_kernel import BUDGET_KEY, FUSED_PARAMS_KEY, KVZCHEmbeddingKernel
+from torchrec_kvzch.torchrec.embedding_kernel import BUDGET_KEY, FUSED_PARAMS_KEY
+from torchrec_kvzch.torchrec.lookups import STORE_KERNEL, KVZCHRwPooledSharding, KVZCHRwSequenceSharding
 from torchrec_kvzch.torchrec.pretrained import sharded_with_rows, without_kvzch_weights
 from torchrec_kvzch.torchrec.tables import kvzch_kernels, kvzch_tables
 from torchrec_kvzch.torchrec.validation import BatchChecker
-from torchrec_kvzch.torchrec.writes import BucketedWriteDist
 from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.tbe import WEIGHTED_MEAN_EPS
 from torchrec_kvzch.table.layout import RowPart
 
-STORE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 ROW_WISE = ShardingType.ROW_WISE.value
 # Shardings whose kernels pool MEAN as SUM (``pooling_type_to_pooling_mode``; grid shards look
 # up as table-row-wise): the EBC divides their MEAN outputs after the output dist.
@@ -111,39 +103,6 @@ def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict |
     group = tuple(chosen[n] for n in sorted(chosen))
     return {name: (KVZCHParameterSharding.wrap(s, chosen[name], group, budget, compute_kernel=STORE_KERNEL)
                    if name in chosen else s) for name, s in plan.items()}
-
-
-# -- lookups: build our kernel for KV-ZCH groups, the stock one otherwise ---------------------
-class KVZCHPooledLookup(GroupedPooledEmbeddingsLookup):
-    def _create_embedding_kernel(self, config, device, pg, sharding_type, env):
-        if config.compute_kernel.value == STORE_KERNEL:
-            return KVZCHEmbeddingKernel(config, pg, device, sharding_type, pooled=True)
-        return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
-
-
-class KVZCHSequenceLookup(GroupedEmbeddingsLookup):
-    def _create_embedding_kernel(self, config, pg, device, env=None):
-        if config.compute_kernel.value == STORE_KERNEL:
-            return KVZCHEmbeddingKernel(config, pg, device, None, pooled=False)
-        return super()._create_embedding_kernel(config, pg, device, env)
-
-
-# -- row-wise shardings that create those lookups --------------------------------------------
-class KVZCHRwPooledSharding(RwPooledEmbeddingSharding):
-    def create_lookup(self, device=None, fused_params=None, feature_processor=None):
-        device = device if device is not None else self._device
-        return KVZCHPooledLookup(grouped_configs=self._grouped_embedding_configs, pg=self._pg, device=device,
-                                 feature_processor=feature_processor, sharding_type=ShardingType.ROW_WISE, env=self._env)
-
-
-class KVZCHRwSequenceSharding(RwSequenceEmbeddingSharding):
-    def create_lookup(self, device=None, fused_params=None, feature_processor=None):
-        return KVZCHSequenceLookup(
-            grouped_configs=self._grouped_embedding_configs, pg=self._pg,
-            device=device if device is not None else self._device, env=self._env)
-
-    def create_write_dist(self, device=None):  # (writes.py)
-        return BucketedWriteDist(self, device)
 
 
 # -- sharded modules ---------------------------------------------------------------------------

@@ -144,10 +144,11 @@ def test_prefetch_pipeline_over_device_caches_trains_like_a_plain_loop():
 
 @pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", "adam"])
 def test_a_table_looked_up_between_forward_and_backward_trains_as_in_a_plain_loop(optimizer):
-    """What the prefetch pipeline does to each KV-ZCH table (``TableTBE.prefetch``): batch i+1's
-    lookup between batch i's forward and backward, its forward then taking those slots. Outputs,
-    rows and headers are the plain loop's, bit for bit; a forward of other ids, or an evaluation
-    while a prefetched batch waits, is refused."""
+    """What the prefetch pipeline does to a KV-ZCH table under a device cache with prefetch_pipeline
+    (``TableTBE.prefetch``; here forced on a CPU table, without the cache fill): batch i+1's lookup
+    between batch i's forward and backward, its forward then taking those slots. Outputs, rows and
+    headers are the plain loop's, bit for bit; a forward of other ids, or an evaluation while a
+    prefetched batch waits, is refused; a table without the cache looks up in its forward."""
     from torchrec_kvzch import KVZCHTableParams
     from torchrec_kvzch.table.tbe import TableTBE
 
@@ -157,6 +158,9 @@ def test_a_table_looked_up_between_forward_and_backward_trains_as_in_a_plain_loo
     grads = [torch.randn(16, 8, generator=gen) for _ in batches]
     offsets = torch.arange(0, 65, 4)
     plain, ahead = (TableTBE(p, p.bucket_range(0, 1), initial_rows=4000) for _ in range(2))
+    plain.prefetch(batches[0], offsets)
+    assert not plain.prefetches and not plain._prefetched and plain.store.clock == 0
+    ahead.prefetches = True
     want = []
     for ids, grad in zip(batches, grads):
         out = plain(ids, offsets)

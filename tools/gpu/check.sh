@@ -12,10 +12,12 @@
 #   6. TorchRec's pipelines against a plain loop                 -> OUT/pipelines.xml
 #   7. (key host, asked for by name) bench_gpu.py --host-cache: a table in host memory under a
 #      GPU cache against fbgemm's TBE with the table in GPU memory -> OUT/gpu_host.json
+#   8. (key larger, by name) bench_gpu.py --larger-than-gpu: a table larger than the GPU's memory
+#      trains (a machine with more host memory than GPU memory) -> OUT/gpu_larger.json
 # Each stage has a time budget, all together KVZCH_CHECK_BUDGET_S (default 500 s, so that a
 # rerun fits a 15-minute lease); a stage that would start past it is skipped and said so.
 # KVZCH_CHECK_STAGES picks stages by key (default all: kernel cuda serving bench job dmp
-# pipelines; host only by name), e.g. "kernel serving" for a session that only has serving to check.
+# pipelines; host and larger only by name), e.g. "kernel serving" for a session that only has serving to check.
 # KVZCH_CHECK_REHEARSE=1 runs it all on the CPU (small tables, gloo for NCCL) to check this
 # script before GPU minutes are spent on it; that checks the plumbing, not CUDA.
 set -uo pipefail
@@ -97,6 +99,8 @@ export -f job; export dev py work out
 stage job "job" 150 bash -c job
 stage dmp "DMP benchmark" 90 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/bench_gpu.py --dmp "${dmp[@]}" \
   --json "$out/gpu_dmp.json"
+[ "$dev" = cuda ] && stage larger "larger-than-GPU table" 300 "$py" benchmarks/bench_gpu.py --larger-than-gpu \
+  --steps 10 --warmup 2 --json "$out/gpu_larger.json"
 [ "$dev" = cuda ] && stage host "host-cache benchmark" 170 "$py" benchmarks/bench_gpu.py --host-cache --steps 40 \
   --warmup 10 --json "$out/gpu_host.json"
 stage pipelines "pipelines" 150 "${pytest[@]}" tests/test_pipelines.py -k "cuda or semi_sync_pipeline or prefetch_pipeline" \

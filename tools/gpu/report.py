@@ -9,7 +9,8 @@ file counted) and rewrites the table between the ``gpu:table`` markers of ``docs
 Serving (a run with ``gpu_serving.json``): the same for ``gpu_serving.json`` / ``.png`` and
 ``serving.xml``, into ``gpu_serving_run.json`` and between the ``gpu:serving`` markers. A run
 Host cache (a run with ``gpu_host.json``, issue 34): the same for it and the kernel tests, into
-``gpu_host_run.json`` and between the ``gpu:host`` markers. A run of some stages
+``gpu_host_run.json`` and between the ``gpu:host`` markers; a table larger than the GPU
+(``gpu_larger.json``) between the ``gpu:larger`` markers. A run of some stages
 (``KVZCH_CHECK_STAGES``) renews the parts it has, and leaves the others.
 """
 
@@ -28,6 +29,7 @@ PAGE = ROOT / "docs" / "gpu.md"
 MARKERS = ("<!-- gpu:table:start -->", "<!-- gpu:table:end -->")
 SERVING_MARKERS = ("<!-- gpu:serving:start -->", "<!-- gpu:serving:end -->")
 HOST_MARKERS = ("<!-- gpu:host:start -->", "<!-- gpu:host:end -->")
+LARGER_MARKERS = ("<!-- gpu:larger:start -->", "<!-- gpu:larger:end -->")
 HOST_TARGET = 0.5  # ratio_host_50_zipf (issue 34)
 SERVING_TESTS = "serving"  # (its JUnit file's stem: the serving part's, not the training part's)
 COPIES = {"gpu.json": "gpu.json", "gpu.png": "gpu.png", "gpu_dmp.json": "gpu_dmp.json", "job.json": "gpu_job.json",
@@ -159,6 +161,17 @@ def host_table(record: dict, bench: dict) -> str:
     return "\n".join(lines)
 
 
+def larger_line(record: dict, bench: dict) -> str:
+    """The table larger than the GPU: that it trained, and what it took."""
+    return (f"One run, {record['date']}, commit {record['commit']}, on one {record['device']}: a table of "
+            f"{bench['larger_rows']:,} rows x {bench['dim']} fp32 ({bench['larger_host_bytes'] / 2**30:.1f} GiB of "
+            f"weights in host memory, {bench['larger_host_bytes'] / bench['gpu_bytes']:.2f} times the GPU's "
+            f"{bench['gpu_bytes'] / 2**30:.1f} GiB) under a GPU cache of a tenth of its rows trained at "
+            f"{bench['larger_step_ms']:.1f} ms a step (batch {bench['batch']:,} x pooling {bench['pooling']}, skewed "
+            f"ids), the GPU's memory peaking at {bench['larger_gpu_peak_bytes'] / 2**30:.1f} GiB "
+            "(`bench_gpu.py --larger-than-gpu`, `docs/benchmarks/gpu_larger.json`).")
+
+
 def _ms(value) -> str:
     return "" if value is None else f"{value:.2f}"
 
@@ -190,6 +203,10 @@ def main() -> int:
         record = run_record(run, serving=True)
         (DOCS / "gpu_serving_run.json").write_text(json.dumps(record, indent=1) + "\n")
         _rewrite(SERVING_MARKERS, serving_table(record, json.loads((run / "gpu_serving.json").read_text())))
+    if (run / "gpu_larger.json").exists():
+        shutil.copyfile(run / "gpu_larger.json", DOCS / "gpu_larger.json")
+        record = run_record(run, bench_file="gpu_larger.json")
+        _rewrite(LARGER_MARKERS, larger_line(record, json.loads((run / "gpu_larger.json").read_text())))
     if (run / "gpu_host.json").exists():
         shutil.copyfile(run / "gpu_host.json", DOCS / "gpu_host.json")
         record = run_record(run, bench_file="gpu_host.json")

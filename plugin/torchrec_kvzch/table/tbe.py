@@ -141,6 +141,9 @@ class TableTBE(nn.Module):
         # TorchRec's enable_embedding_update: rows come from ``write``; a training lookup makes and
         # stamps rows as any other, but never trains them (upstream runs it without gradients).
         self.embedding_cache = False
+        # Whether ``prefetch`` looks batches up ahead: under a device cache with ``prefetch_pipeline``
+        # only (elsewhere it would gain little, and a lookup before a backward may not grow the store).
+        self.prefetches = cache is not None and cache.prefetch_pipeline
         self._prefetched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, slots) of prefetched batches
 
     # -- forward ------------------------------------------------------------------------------
@@ -188,10 +191,10 @@ class TableTBE(nn.Module):
                  forward_stream: torch.cuda.Stream | None = None) -> None:
         """TorchRec's prefetch pipeline, between a batch's forward and backward, for the next batch: its
         training lookup (clock step, admission, eviction, new rows) runs now, and its forward takes the
-        slots. Under a device cache with ``prefetch_pipeline``, fbgemm's TBE brings its rows into the
-        cache too, locking them and the current batch's until each one's backward (else the forward
-        fills the cache itself). Evaluation batches look up in their forward."""
-        if not (self.training and torch.is_grad_enabled()) or self.embedding_cache:
+        slots, and fbgemm's TBE brings its rows into the device cache, locking them and the current
+        batch's until each one's backward. Only where ``prefetches`` (a device cache with
+        ``prefetch_pipeline``); evaluation batches look up in their forward."""
+        if not (self.prefetches and self.training and torch.is_grad_enabled()) or self.embedding_cache:
             return
         slots = self.store.lookup_for_update(ids, scores)
         self._bind()
@@ -199,8 +202,8 @@ class TableTBE(nn.Module):
         if forward_stream is not None:  # (made on the prefetch stream, read on the forward's)
             ids.record_stream(forward_stream)
             slots.record_stream(forward_stream)
-        if cache is not None and cache.prefetch_pipeline and (self.store.admission is None or bool((slots >= 0).all())):
-            self.tbe.prefetch(slots, offsets.long(), forward_stream)  # (the forward's own indices and offsets)
+        if cache is not None and (self.store.admission is None or bool((slots >= 0).all())):
+            self.tbe.prefetch(slots, offsets.long(), forward_stream)  # (the forward's own indices; else it fills)
         self._prefetched.append((ids, slots))
 
     def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:

@@ -175,7 +175,8 @@ def test_a_table_looked_up_between_forward_and_backward_trains_as_in_a_plain_loo
         assert torch.equal(out.detach(), want[i])
     keys = torch.sort(plain.store.keys()).values
     assert torch.equal(torch.sort(ahead.store.keys()).values, keys)
-    assert torch.equal(ahead.store.read_ids(keys, "row").view(torch.int32), plain.store.read_ids(keys, "row").view(torch.int32))
+    rows = [t.store.read_ids(keys, "row").view(torch.int32) for t in (ahead, plain)]
+    assert torch.equal(*rows)
     ahead.prefetch(batches[0], offsets)
     with pytest.raises(RuntimeError, match="other ids than the batch prefetched"):
         ahead(batches[1], offsets)

@@ -45,8 +45,8 @@ def estimated_split(layout: RowLayout, rows: int, cache_rows: int) -> tuple[int,
     """(GPU bytes, host bytes) of a store of ``rows`` rows under a cache of ``cache_rows``, as
     ``arrays.estimated_bytes`` counts a store: the weights (and optimizer state wider than a value
     per row) in host memory; the cache, its per-slot index (and lfu counts) in GPU memory."""
-    host_row = layout.embedding_dim * layout.itemsize + (4 * layout.optimizer_floats if layout.optimizer_floats > 1 else 0)
-    host = int(rows * host_row * GROWTH)
+    wide_state = 4 * layout.optimizer_floats if layout.optimizer_floats > 1 else 0
+    host = int(rows * (layout.embedding_dim * layout.itemsize + wide_state) * GROWTH)
     entries = -(-cache_rows // ASSOC) * ASSOC
     cache = entries * (layout.embedding_dim * layout.itemsize + 16) + int(rows * GROWTH) * 12
     return estimated_bytes(layout, rows) - host + cache, host

@@ -160,8 +160,8 @@ class TableTBE(nn.Module):
                 return self.forward(ids, offsets, per_sample_weights, scores)
         if not (self.training and (torch.is_grad_enabled() or self.embedding_cache)):
             if self._prefetched:
-                raise RuntimeError(f"KV-ZCH table '{self.params.name}': an evaluation lookup while a prefetched training "
-                                   "batch waits for its forward; train it first")
+                raise RuntimeError(f"KV-ZCH table '{self.params.name}': an evaluation lookup while a prefetched "
+                                   "training batch waits for its forward; train it first")
             return self._evaluate(ids, offsets, per_sample_weights)
         if self.store.row_cache is not None and self.store.pending_update is not None:
             raise RuntimeError(f"KV-ZCH table '{self.params.name}': a training forward before the previous one's "

@@ -196,6 +196,8 @@ class TableTBE(nn.Module):
         ``prefetch_pipeline``); evaluation batches look up in their forward."""
         if not (self.prefetches and self.training and torch.is_grad_enabled()) or self.embedding_cache:
             return
+        if forward_stream is not None:  # (the store's id map and headers are not made for two streams at once)
+            torch.cuda.current_stream().wait_stream(forward_stream)
         slots = self.store.lookup_for_update(ids, scores)
         self._bind()
         cache = self.store.row_cache

@@ -119,9 +119,9 @@ class RowCache:
         return torch.tensor([0] * features + [self.capacity], dtype=torch.long, device=self.index_map.device)
 
     def bind(self, tbe, features: int) -> None:
-        """Point a managed-caching TBE at this cache and the store's rows (again after growth)."""
+        """Point a managed-caching TBE (bound to the store's rows, ``TableTBE._bind``) at this cache,
+        again after growth."""
         self._fit()
-        tbe.weights_uvm = self.store.weights.view(-1).data
         for name, value in (("lxu_cache_state", self.state), ("lxu_cache_weights", self.weights),
                             ("lxu_state", self.lfu if self.policy is CachePolicy.LFU else self.lru),
                             ("cache_hash_size_cumsum", self.cumsum(features)),
@@ -186,8 +186,3 @@ class RowCache:
         values = values.to(weights.dtype)
         self._weights[at] = values
         weights[slots] = torch.where((at >= 0).unsqueeze(1), weights[slots], values)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self._state, self._weights, self._lru, self.lfu,
-                                                          self.index_map, self.locks))

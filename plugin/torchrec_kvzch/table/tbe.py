@@ -200,11 +200,11 @@ class TableTBE(nn.Module):
             torch.cuda.current_stream().wait_stream(forward_stream)
         slots = self.store.lookup_for_update(ids, scores)
         self._bind()
-        cache = self.store.row_cache
         if forward_stream is not None:  # (made on the prefetch stream, read on the forward's)
             ids.record_stream(forward_stream)
             slots.record_stream(forward_stream)
-        if cache is not None and (self.store.admission is None or bool((slots >= 0).all())):
+        cached = self.store.row_cache is not None  # (always, but where a test forces prefetches on)
+        if cached and (self.store.admission is None or bool((slots >= 0).all())):
             self.tbe.prefetch(slots, offsets.long(), forward_stream)  # (the forward's own indices; else it fills)
         self._prefetched.append((ids, slots))
 

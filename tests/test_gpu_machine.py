@@ -1,5 +1,6 @@
-"""The GPU machines' offline kit (tools/gpu): setup.sh unpacks the repacked fbgemm-gpu whether
-make_kit.sh wrote it as one archive or split it into parts."""
+"""The GPU machines' offline kit and scripts (tools/gpu): setup.sh unpacks the repacked fbgemm-gpu
+whether make_kit.sh wrote it as one archive or split it into parts; the larger-than-GPU run sizes
+a table larger than the GPU memory it leaves itself, on either machine kind."""
 
 import io
 import os
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools" / "gpu"))
+sys.path[:0] = [str(ROOT / "tools" / "gpu"), str(ROOT / "benchmarks")]
+from bench_gpu import H100_BYTES, HOST_MARGIN, larger_plan  # noqa: E402
 from pack_fbgemm import split  # noqa: E402
+from report import larger_line  # noqa: E402
 
 
 @pytest.mark.parametrize("part_mib", [60, 1])
@@ -58,3 +61,30 @@ def test_the_cuda_tests_fail_on_a_gpu_machine_where_torch_sees_no_gpu():
     if not os.path.exists("/dev/nvidiactl"):
         refused = pytest_run(KVZCH_REQUIRE_CUDA="1")
         assert refused.returncode != 0 and "sees no CUDA device" in refused.stdout, refused.stdout
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("gpu, host, held_back", [(85e9, 120 * GIB, False),  # an H100 machine
+                                                  (143.7e9, 123 * GIB, True),  # the H200 machine
+                                                  (40e9, 400 * GIB, False)])
+def test_the_larger_than_gpu_run_sizes_a_table_larger_than_the_gpu_memory_it_keeps(gpu, host, held_back):
+    row_bytes = 512
+    rows, held = larger_plan(int(gpu), host, row_bytes)
+    table = rows * row_bytes
+    assert (held > 0) == held_back
+    assert table > 1.09 * (gpu - held)  # larger than what the GPU leaves the run
+    assert table * HOST_MARGIN <= host  # and the host holds it with room to spare
+    assert not held or table > H100_BYTES
+    bench = {"larger_rows": rows, "dim": 128, "larger_host_bytes": table, "gpu_bytes": int(gpu),
+             "larger_gpu_left_bytes": int(gpu) - held, "larger_gpu_ballast_bytes": held, "larger_step_ms": 12.0,
+             "batch": 65536, "pooling": 20, "larger_build_s": 40.0, "larger_gpu_peak_bytes": 9 * GIB,
+             "larger_gpu_used_bytes": 11 * GIB}
+    line = larger_line({"date": "2026-11-27T00:00:00Z", "commit": "abc", "device": "GPU"}, bench)
+    assert "1.10 times" in line and ("held" in line) == held_back
+
+
+def test_the_larger_than_gpu_run_refuses_a_host_without_room():
+    with pytest.raises(SystemExit, match="80 GB"):
+        larger_plan(int(143.7e9), 64 * GIB, 512)

@@ -12,8 +12,9 @@
 #   6. TorchRec's pipelines against a plain loop                 -> OUT/pipelines.xml
 #   7. (key host, asked for by name) bench_gpu.py --host-cache: a table in host memory under a
 #      GPU cache against fbgemm's TBE with the table in GPU memory -> OUT/gpu_host.json
-#   8. (key larger, by name) bench_gpu.py --larger-than-gpu: a table larger than the GPU's memory
-#      trains (a machine with more host memory than GPU memory) -> OUT/gpu_larger.json
+#   8. (key larger, by name) bench_gpu.py --larger-than-gpu: a table larger than the GPU memory
+#      left to it trains (on the H200 machine, whose host memory is the smaller, it holds part of
+#      the GPU back first)                                       -> OUT/gpu_larger.json
 # Each stage has a time budget, all together KVZCH_CHECK_BUDGET_S (default 500 s, so that a
 # rerun fits a 15-minute lease); a stage that would start past it is skipped and said so.
 # KVZCH_CHECK_STAGES picks stages by key (default all: kernel cuda serving bench job dmp

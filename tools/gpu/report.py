@@ -163,13 +163,19 @@ def host_table(record: dict, bench: dict) -> str:
 
 def larger_line(record: dict, bench: dict) -> str:
     """The table larger than the GPU: that it trained, and what it took."""
+    gib = 2**30
+    host, left, held = bench["larger_host_bytes"], bench["larger_gpu_left_bytes"], bench["larger_gpu_ballast_bytes"]
+    room = (f"the GPU's {left / gib:.1f} GiB" if not held else
+            f"the {left / gib:.1f} GiB of GPU memory left to it: this machine's host memory cannot hold 1.1 times "
+            f"the GPU's {bench['gpu_bytes'] / gib:.1f} GiB, so the run first held {held / gib:.1f} GiB of it back")
     return (f"One run, {record['date']}, commit {record['commit']}, on one {record['device']}: a table of "
-            f"{bench['larger_rows']:,} rows x {bench['dim']} fp32 ({bench['larger_host_bytes'] / 2**30:.1f} GiB of "
-            f"weights in host memory, {bench['larger_host_bytes'] / bench['gpu_bytes']:.2f} times the GPU's "
-            f"{bench['gpu_bytes'] / 2**30:.1f} GiB) under a GPU cache of a tenth of its rows trained at "
+            f"{bench['larger_rows']:,} rows x {bench['dim']} fp32 ({host / gib:.1f} GiB of weights in host memory, "
+            f"{host / left:.2f} times {room}) under a GPU cache of a tenth of its rows trained at "
             f"{bench['larger_step_ms']:.1f} ms a step (batch {bench['batch']:,} x pooling {bench['pooling']}, skewed "
-            f"ids), the GPU's memory peaking at {bench['larger_gpu_peak_bytes'] / 2**30:.1f} GiB "
-            "(`bench_gpu.py --larger-than-gpu`, `docs/benchmarks/gpu_larger.json`).")
+            f"ids; inserting the rows took {bench['larger_build_s']:.0f} s). {'Besides what was held back, t' if held else 'T'}"
+            f"orch's allocator peaked at {bench['larger_gpu_peak_bytes'] / gib:.1f} GiB and the device had "
+            f"{bench['larger_gpu_used_bytes'] / gib:.1f} GiB in use at the end (`bench_gpu.py --larger-than-gpu`, "
+            "`docs/benchmarks/gpu_larger.json`).")
 
 
 def _ms(value) -> str:

@@ -100,10 +100,11 @@ export -f job; export dev py work out
 stage job "job" 150 bash -c job
 stage dmp "DMP benchmark" 90 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/bench_gpu.py --dmp "${dmp[@]}" \
   --json "$out/gpu_dmp.json"
-[ "$dev" = cuda ] && stage larger "larger-than-GPU table" 300 "$py" benchmarks/bench_gpu.py --larger-than-gpu \
-  --steps 10 --warmup 2 --json "$out/gpu_larger.json"
-[ "$dev" = cuda ] && stage host "host-cache benchmark" 170 "$py" benchmarks/bench_gpu.py --host-cache --steps 40 \
-  --warmup 10 --json "$out/gpu_host.json"
 stage pipelines "pipelines" 150 "${pytest[@]}" tests/test_pipelines.py -k "cuda or semi_sync_pipeline or prefetch_pipeline" \
   --junitxml="$out/pipelines.xml"
+# (the long runs last, after every test)
+[ "$dev" = cuda ] && stage host "host-cache benchmark" 170 "$py" benchmarks/bench_gpu.py --host-cache --steps 40 \
+  --warmup 10 --json "$out/gpu_host.json"
+[ "$dev" = cuda ] && stage larger "larger-than-GPU table" 300 "$py" benchmarks/bench_gpu.py --larger-than-gpu \
+  --steps 10 --warmup 2 --json "$out/gpu_larger.json"
 finish

@@ -96,19 +96,30 @@ def test_kernel_on_cuda_keeps_feature_scores_and_takes_writes_like_the_cpu():
     assert torch.equal(ours.store.read_ids(universe[:50].to(CUDA)).cpu(), torch.cat([rows[50:], rows[1:50]]))
 
 
+# (optimizer, cache policy, rules): each optimizer under each policy; admission with a trainable
+# default row and a row budget (evictions inside lookups) under both.
+CACHE_CASES = [(o, c, False) for o in ("exact_rowwise_adagrad", "exact_sgd", "adam") for c in ("lru", "lfu")] + [
+    ("exact_rowwise_adagrad", "lru", True), ("adam", "lfu", True)]
+
+
 @pytest.mark.skipif(CUDA.type != "cuda", reason="fbgemm's managed-caching TBE runs on CUDA only")
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", "exact_sgd", "adam"])
-def test_kernel_with_a_device_cache_trains_like_the_gpu_store(optimizer, policy):
+@pytest.mark.parametrize("optimizer, policy, rules", CACHE_CASES)
+def test_kernel_with_a_device_cache_trains_like_the_gpu_store(optimizer, policy, rules):
     """Rows in host memory under a GPU cache of 512 rows (issue 34) against every row in GPU
     memory, both on CUDA: outputs, rows and headers through growth, batches of more distinct rows
     than the cache holds, evictions (slots reused), embedding writes, evaluation, a frozen snapshot
-    read while training goes on, and the decoupled weight decay's row shrink."""
+    read while training goes on, and the decoupled weight decay's row shrink; with ``rules``,
+    count admission (a trainable default row for ids not admitted yet) and a row budget that
+    evicts inside the lookups."""
+    from torchrec_kvzch import AdmissionPolicy, EvictionPolicy
     from torchrec_kvzch.params import DeviceCache
     from torchrec_kvzch.table.snapshot import RowSnapshot
 
     gen = torch.Generator().manual_seed(2)
     decay = dict(weight_decay=0.01, weight_decay_mode="decouple") if optimizer != "exact_sgd" else {}
+    if rules:
+        decay.update(admission=AdmissionPolicy("count", min_count=2, default="trainable"),
+                     eviction=EvictionPolicy("lru", max_rows=1500))
     base = dict(name="t", embedding_dim=16, num_embeddings=2**40, total_num_buckets=16, optimizer=optimizer,
                 learning_rate=0.05, init_range=(-0.5, 0.5), **decay)
     cached = KVZCHTableParams(**base, device_cache=DeviceCache(rows=512, policy=policy))
@@ -150,6 +161,10 @@ def test_kernel_with_a_device_cache_trains_like_the_gpu_store(optimizer, policy)
     assert ours.store.capacity > 1024 and ours.store.history.evicted > 0
     seen = torch.sort(ref.store.keys()).values
     assert torch.equal(torch.sort(ours.store.keys()).values, seen)
+    if rules:  # (the budget held, and some ids read the default row, trained alike)
+        assert len(ours.store) <= 1500 and ours.store.admission.rejected > 0
+        for name, value in ref.default_state().items():
+            torch.testing.assert_close(ours.default_state()[name], value, **tol)
     for part in [RowPart.WEIGHT, RowPart.META] + ([RowPart.OPTIMIZER] if optimizer != "exact_sgd" else []):
         torch.testing.assert_close(ours.store.read_ids(seen, part), ref.store.read_ids(seen, part), **tol)
     for part in (RowPart.WEIGHT, RowPart.META):

@@ -176,7 +176,7 @@ def test_fused_params_fill_what_a_table_leaves_unset():
     from fbgemm_gpu.split_embedding_configs import SparseType
     table_params(config(), fused_params={"weight_decay": 0, "output_dtype": SparseType.FP32})  # our kernel's
     assert not table_params(config(), fused_params={"stochastic_rounding": False}).stochastic_rounding
-    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode as FbgemmMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode as FbgemmMode  # (both stacks)
     decayed = table_params(config(), fused_params={"weight_decay": 0.1, "weight_decay_mode": FbgemmMode.DECOUPLE})
     assert (decayed.weight_decay, decayed.weight_decay_mode) == (0.1, WeightDecayMode.DECOUPLE)
     l2 = table_params(config(), fused_params={"weight_decay": 0.1, "weight_decay_mode": FbgemmMode.L2})

@@ -142,6 +142,46 @@ def test_prefetch_pipeline_over_device_caches_trains_like_a_plain_loop():
     assert_same(got, want, exact=False)
 
 
+def _prefetch_beside_torchrecs_kernels(rank: int, world_size: int, sequence: bool) -> dict:
+    from test_sharding import BASE, build
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_kvzch.torchrec.lookups import _Prefetch
+
+    case = dict(BASE, pooling=None) if sequence else BASE
+    model = build(world_size, case, {}, twin=False)
+    (lookup,) = [x for m in model.modules() for x in getattr(m, "_lookups", ()) if isinstance(x, _Prefetch)]
+    lookup._need_prefetch = True  # (the sequence lookup's flag: set where a caching table shares it)
+    kernels = [type(kernel).__name__ for kernel in lookup._emb_modules]
+    theirs = []  # what TorchRec's own kernel is handed (its fbgemm prefetch needs CUDA)
+    for kernel in lookup._emb_modules:
+        if kernel.emb_module is not None:
+            kernel.emb_module.prefetch = lambda indices, offsets, **_: theirs.append(indices.numel())
+    tables = dict(kvzch_tables(model))
+    for tbe in tables.values():
+        tbe.prefetches = True  # (as under DeviceCache(prefetch_pipeline=True), without the cache)
+    keys = [f for config in lookup.grouped_configs for f in config.feature_names()]
+    lengths = torch.randint(0, 4, (len(keys) * 8,), generator=torch.Generator().manual_seed(0))
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys, torch.arange(int(lengths.sum())) % 37, lengths)
+    lookup.prefetch(kjt)
+    waiting = {name: len(tbe._prefetched) for name, tbe in tables.items()}
+    lookup(kjt)  # the forward takes the prefetched slots
+    plain = int(lengths.view(len(keys), -1)[keys.index("f_plain")].sum())
+    return {"kernels": kernels, "waiting": waiting, "left": sum(len(t._prefetched) for t in tables.values()),
+            "clocks": [t.store.clock for t in tables.values()], "theirs": theirs, "plain": plain}
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_torchrecs_prefetch_hands_our_kernels_their_batch_beside_its_own_kernels(sequence):
+    """A row-wise lookup holding our kernel and one of TorchRec's, under TorchRec's prefetch (as
+    where one of its caching tables shares the lookup, which makes the sequence lookup prefetch
+    every kernel it holds): ours are passed over by TorchRec's loop and look their batch up once."""
+    got = run_ranks(1, _prefetch_beside_torchrecs_kernels, sequence, timeout=600)[0]
+    assert "KVZCHEmbeddingKernel" in got["kernels"] and len(got["kernels"]) > 1
+    assert got["waiting"] == {"kv": 1, "kv2": 1} and got["left"] == 0 and got["clocks"] == [1, 1]
+    assert got["theirs"] == ([got["plain"]] if sequence else [])  # (the pooled lookup skips kernels that need none)
+
+
 @pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", "adam"])
 def test_a_table_looked_up_between_forward_and_backward_trains_as_in_a_plain_loop(optimizer):
     """What the prefetch pipeline does to a KV-ZCH table under a device cache with prefetch_pipeline

@@ -119,6 +119,11 @@ class KVZCHFusedOptimizer(FusedOptimizer):
 class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
     """All KV-ZCH tables of one group on this rank; pooled (EBC) or sequence (EC) output."""
 
+    # No fbgemm module of TorchRec's kind: TorchRec's prefetch loop, which reads each kernel's
+    # ``emb_module`` where a caching table shares the lookup, passes over this one (lookups.py
+    # prefetches it).
+    emb_module = None
+
     def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None,
                  device: torch.device | None, sharding_type: ShardingType | None,
                  pooled: bool) -> None:

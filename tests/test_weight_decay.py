@@ -102,10 +102,9 @@ def test_fbgemm_cpu_rowwise_adagrad_drops_a_weight_decay():
     """Why the table decays rows itself: fbgemm's CPU rowwise Adagrad, given a decay, updates as
     without one (if a new fbgemm applies it, this fails: pass it to fbgemm then, not both)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # (WeightDecayMode: both stacks have it here)
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen, WeightDecayMode as FbgemmMode)
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode as FbgemmMode
 
     outs = []
     for decay in ({}, {"weight_decay": 0.5, "weight_decay_mode": FbgemmMode.DECOUPLE}):

@@ -290,7 +290,8 @@ def larger_than_gpu(args, device: torch.device) -> dict:
     return {**versions(device), "dim": args.dim, "batch": batch, "pooling": pooling, "larger_rows": rows,
             "larger_host_bytes": tbe.store.weights.numel() * tbe.store.weights.element_size(),
             "gpu_bytes": gpu, "larger_gpu_ballast_bytes": ballast.numel(), "larger_gpu_left_bytes": gpu - held,
-            "larger_build_s": built, "larger_step_ms": ms, "larger_gpu_peak_bytes": torch.cuda.max_memory_allocated(device) - held,
+            "larger_build_s": built, "larger_step_ms": ms,
+            "larger_gpu_peak_bytes": torch.cuda.max_memory_allocated(device) - held,
             "larger_gpu_used_bytes": total - free - held}
 
 

@@ -82,7 +82,11 @@ def test_train_checkpoint_resume_on_fewer_ranks_continues_exactly(tmp_path):
     assert report.startswith("training failed on ranks 0, 1: CheckpointError: ValueError: ")
     assert "KV-ZCH table 'item' was saved with embedding_dim 32 (fp32), this model has 16" in report
     assert report.count("was saved with embedding_dim") == 1 and "rerun" not in report
-    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) < 10, done.stderr
+    # (what comes before the report is the libraries' own import-time warnings: fbgemm 1.6, on the
+    # torch 2.11 stack, warns at every import that its compatibility table lacks its own version)
+    before = done.stderr[: done.stderr.index("training failed")]
+    assert "Traceback" not in done.stderr and len(report.splitlines()) < 6, done.stderr
+    assert "torchrec_kvzch" not in before and "KV-ZCH" not in before, before
     assert "Traceback" in json.loads((tmp_path / "run" / "failures" / "rank-1.json").read_text())["traceback"]
 
 

@@ -136,6 +136,10 @@ def test_ssd_kernels_are_served_from_dram_with_a_notice(caplog):
     assert "'ssd_virtual_table' is served by the DRAM row store" in caplog.text
     assert "KeyValueParams.ssd_storage_directory configures SSD placement" in caplog.text
     assert params.enable_optimizer_offloading and not params.backend_return_whole_row  # as upstream's SSD
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    with caplog.at_level(logging.WARNING):
+        table_params(config(name="half_cache"), fused_params={"cache_precision": SparseType.FP16})
+    assert "'cache_precision' places or caches rows" in caplog.text and "keeps their precision" in caplog.text
 
 
 def test_ssd_kernels_with_a_directory_and_a_dram_cache_keep_their_rows_on_disk(caplog, monkeypatch):

@@ -342,8 +342,8 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
             _notice(table, key, f"fused param '{key}' sizes the GPU cache over host rows of a KV-ZCH table "
                     "on CUDA ranks (DeviceCache); on CPU ranks the rows are in host memory and it has no use")
         elif key in _PLACEMENT_KEYS or key.startswith("ssd_"):
-            _notice(table, key, f"fused param '{key}' places or caches rows; the DRAM store has "
-                    "no use for it")
+            _notice(table, key, f"fused param '{key}' places or caches rows; the DRAM store has no use for it"
+                    + (" (a GPU cache over its host rows keeps their precision)" if key == "cache_precision" else ""))
         else:
             fail(f"fused param '{key}' is not understood by the KV-ZCH kernel",
                  "drop it from the sharders' fused_params (or shard the KV-ZCH tables with sharders "

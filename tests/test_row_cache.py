@@ -222,7 +222,7 @@ def test_torchrecs_cache_declarations_size_a_cuda_shards_device_cache():
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
     from torchrec.distributed.types import CacheParams, KeyValueParams
 
-    from torchrec_kvzch.torchrec.declarations import with_device_cache
+    from torchrec_kvzch.torchrec.device_cache import with_device_cache
 
     table = KVZCHTableParams("t", 8)  # fp32 rows of 32 bytes
     assert with_device_cache(table, {"learning_rate": 0.1}) is table
@@ -237,6 +237,35 @@ def test_torchrecs_cache_declarations_size_a_cuda_shards_device_cache():
     assert (got.load_factor, got.rows) == (0.1, (2 << 20) // 32)
     own = KVZCHTableParams("t", 8, device_cache=DeviceCache(rows=5))
     assert with_device_cache(own, {"cache_load_factor": 0.3}) is own
+
+
+def test_cache_declarations_a_kvzch_table_does_not_take_are_logged(caplog):
+    """CacheParams fields no DRAM store's cache uses (a precision other than the rows', reserved
+    memory, multipass prefetch, statistics) and, on CPU ranks, the CacheParams themselves."""
+    import logging
+
+    from torchrec.distributed.types import CacheParams, CacheStatistics
+    from torchrec.modules.embedding_configs import DataType
+
+    from torchrec_kvzch.torchrec.device_cache import with_device_cache
+
+    class Stats(CacheStatistics):  # (an abstract interface: any statistics object)
+        expected_lookups = expected_miss_rate = cacheability = 0.0
+
+    table = KVZCHTableParams("logged", 8)
+    with caplog.at_level(logging.WARNING):
+        got = with_device_cache(table, {}, CacheParams(load_factor=0.2, precision=DataType.FP16, reserved_memory=1.0,
+                                                       stats=Stats()))
+    assert got.device_cache.load_factor == 0.2
+    for phrase in ("CacheParams.precision FP16 is not used", "keeps their precision (fp32)",
+                   "CacheParams.reserved_memory is not used", "CacheParams.stats is not used"):
+        assert phrase in caplog.text, phrase
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the rows' own precision: nothing to say
+        with_device_cache(KVZCHTableParams("same", 8), {}, CacheParams(load_factor=0.2, precision=DataType.FP32))
+        cpu = with_device_cache(KVZCHTableParams("cpu", 8), {}, CacheParams(load_factor=0.2), cuda=False)
+    assert "'same'" not in caplog.text and not cpu.device_cache.enabled
+    assert "KV-ZCH table 'cpu': CacheParams size the GPU cache" in caplog.text
 
 
 def test_the_sharders_give_cuda_shards_torchrecs_cache_and_cpu_shards_none():

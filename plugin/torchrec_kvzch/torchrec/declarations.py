@@ -37,8 +37,7 @@ from torchrec.modules.embedding_configs import (
     TimestampBasedEvictionPolicy,
 )
 
-from torchrec_kvzch.params import (DeviceCache, DiskStorage, EvictionPolicy, KVZCHTableParams, OptimizerKind,
-                                   WeightDecayMode)
+from torchrec_kvzch.params import DiskStorage, EvictionPolicy, KVZCHTableParams, OptimizerKind, WeightDecayMode
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ _PLACEMENT_KEYS = frozenset({
     "ssd_rocksdb_write_buffer_size", "ssd_rocksdb_shards", "gather_ssd_cache_stats",
     "stats_reporter_config", "use_passed_in_path", "max_l1_cache_size",
     "enable_async_update", "bulk_init_chunk_size", "lazy_bulk_init_enabled",
-    "ssd_cache_location", "report_interval",
+    "ssd_cache_location", "report_interval", "multipass_prefetch_config",
 })
 # fused_params keys with a value our kernel always uses: any other value is refused.
 _FIXED_KEYS = {"gradient_clipping": False, "max_norm": 0.0, "output_dtype": "FP32"}
@@ -131,9 +130,9 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
              "declare the table in an EmbeddingCollection (EmbeddingConfig), or set enable_embedding_update=False")
     storage = disk_storage(kernel, key_value_params)
     if kernel != KVZCH_KERNEL and not storage.enabled:
-        _notice(name, kernel, f"'{kernel}' is served by the DRAM row store: its rows live in host memory "
-                "(device memory on CUDA), not on SSD; for a disk tier under a DRAM cache give "
-                "KeyValueParams(ssd_storage_directory=..., l2_cache_size=<GB of DRAM rows per table shard>)")
+        notice(name, kernel, f"'{kernel}' is served by the DRAM row store: its rows live in host memory "
+               "(device memory on CUDA), not on SSD; for a disk tier under a DRAM cache give "
+               "KeyValueParams(ssd_storage_directory=..., l2_cache_size=<GB of DRAM rows per table shard>)")
     check_key_value_params(name, key_value_params, honoured={"ssd_storage_directory"} if storage.enabled else set())
     eviction = eviction_policy(name, config.virtual_table_eviction_policy, key_value_params)
     optimizer = _optimizer_fields(name, fused_params or {})
@@ -156,29 +155,6 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
         backend_return_whole_row=kernel != EmbeddingComputeKernel.SSD_VIRTUAL_TABLE.value,
         eviction=eviction, storage=storage, **optimizer)
     return KVZCHTableParams(**{**fields, **extras})
-
-
-def with_device_cache(params: KVZCHTableParams, fused_params: dict | None, cache_params=None,
-                      key_value_params=None) -> KVZCHTableParams:
-    """A CUDA shard's parameters: TorchRec's ``CacheParams`` (``load_factor``, ``algorithm``,
-    ``prefetch_pipeline``; else the same fused params) and ``KeyValueParams.max_l1_cache_size``
-    (MB, a cap) become its ``DeviceCache`` unless it has one of its own, as upstream's DRAM virtual tables
-    cache their host rows in GPU memory; the load factor is of the rows the shard expects, the cap per
-    table shard (docs/porting.md). CPU ranks do not call this (upstream's CPU TBE has no cache either)."""
-    def declared(name: str, fused_name: str):  # (a table's CacheParams over the sharders' fused params)
-        own = getattr(cache_params, name, None)
-        return (fused_params or {}).get(fused_name) if own is None else own
-
-    factor, megabytes = declared("load_factor", "cache_load_factor"), getattr(key_value_params, "max_l1_cache_size", None)
-    if params.device_cache.enabled or (factor is None and not megabytes):
-        return params
-    algorithm, pipelined = declared("algorithm", "cache_algorithm") or "lru", declared("prefetch_pipeline", "prefetch_pipeline")
-    row_bytes = params.embedding_dim * params.dtype.itemsize
-    cache = DeviceCache(rows=max(1, (megabytes << 20) // row_bytes) if megabytes else None,
-                        load_factor=None if factor is None else float(factor),
-                        policy=str(getattr(algorithm, "name", algorithm)).rsplit(".", 1)[-1].lower(),
-                        prefetch_pipeline=bool(pipelined))
-    return dataclasses.replace(params, device_cache=cache)
 
 
 def table_fused_params(fused_params: dict | None, sharding_or_constraints) -> dict:
@@ -339,11 +315,11 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
                      f"(it uses {_FIXED_KEYS[key]})",
                      "drop it, or give the KV-ZCH tables sharders without it")
         elif key in ("cache_load_factor", "cache_algorithm", "prefetch_pipeline"):
-            _notice(table, key, f"fused param '{key}' sizes the GPU cache over host rows of a KV-ZCH table "
-                    "on CUDA ranks (DeviceCache); on CPU ranks the rows are in host memory and it has no use")
+            notice(table, key, f"fused param '{key}' sizes the GPU cache over host rows of a KV-ZCH table "
+                   "on CUDA ranks (DeviceCache); on CPU ranks the rows are in host memory and it has no use")
         elif key in _PLACEMENT_KEYS or key.startswith("ssd_"):
-            _notice(table, key, f"fused param '{key}' places or caches rows; the DRAM store has no use for it"
-                    + (" (a GPU cache over its host rows keeps their precision)" if key == "cache_precision" else ""))
+            notice(table, key, f"fused param '{key}' places or caches rows; the DRAM store has no use for it"
+                   + (" (a GPU cache over its host rows keeps their precision)" if key == "cache_precision" else ""))
         else:
             fail(f"fused param '{key}' is not understood by the KV-ZCH kernel",
                  "drop it from the sharders' fused_params (or shard the KV-ZCH tables with sharders "
@@ -387,14 +363,15 @@ def check_key_value_params(table: str, key_value_params, honoured: set[str] = fr
     for field in sorted(_PLACEMENT_KEYS - {"use_passed_in_path"} - honoured):  # (True by default)
         if getattr(key_value_params, field, None) is not None:
             if field == "max_l1_cache_size":
-                _notice(table, field, "KeyValueParams.max_l1_cache_size caps the GPU cache over host rows of a "
-                        "KV-ZCH table on CUDA ranks (DeviceCache); on CPU ranks it has no use")
+                notice(table, field, "KeyValueParams.max_l1_cache_size caps the GPU cache over host rows of a "
+                       "KV-ZCH table on CUDA ranks (DeviceCache); on CPU ranks it has no use")
                 continue
-            _notice(table, field, f"KeyValueParams.{field} configures SSD placement or caching; "
-                    "the DRAM store has no use for it")
+            notice(table, field, f"KeyValueParams.{field} configures SSD placement or caching; "
+                   "the DRAM store has no use for it")
 
 
-def _notice(table: str, what: str, message: str) -> None:
+def notice(table: str, what: str, message: str) -> None:
+    """Log ``message`` about a table once per process (``what``: the field or kernel it is about)."""
     if (table, what) not in _noticed:
         _noticed.add((table, what))
         logger.warning("KV-ZCH table '%s': %s", table, message)

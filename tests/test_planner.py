@@ -200,18 +200,23 @@ def test_a_cuda_plan_charges_a_device_caches_rows_to_host_memory():
     from torchrec_kvzch.params import DeviceCache
     from torchrec_kvzch.table.row_cache import estimated_split
 
+    from torchrec.distributed.types import CacheParams
+
     plain, cached = tables(expected_rows=120_000), tables(expected_rows=120_000, device_cache=DeviceCache(load_factor=0.1))
+    declared = {t.name: KVZCHConstraints(kvzch=t, cache_params=CacheParams(load_factor=0.1)) for t in plain}
     storage = []
-    for kv in (plain, cached):
+    for kv, constraints in ((plain, opt_in(plain)), (cached, opt_in(cached)), (plain, declared)):
         planner = KVZCHShardingPlanner(Topology(world_size=2, compute_device="cuda", local_world_size=2),
-                                       batch_size=512, constraints=opt_in(kv))
-        planner.plan(model(kv), kvzch_sharders())
+                                       batch_size=512, constraints=constraints)
+        planned = planner.plan(model(kv), kvzch_sharders()).plan[""]["user"]
         option = next(o for o in planner._enumerator.last_stored_search_space
                       if o.name == "user" and o.compute_kernel == KVZCH_KERNEL)
         storage.append(option.shards[0].storage)
     layout = RowLayout.for_table(cached[0])
     assert (storage[1].hbm, storage[1].ddr) == estimated_split(layout, 60_000, 6_000)  # 12 buckets on 2 ranks
     assert storage[0].ddr == 0 and storage[1].hbm < storage[0].hbm and storage[1].ddr >= 60_000 * 16 * 4
+    # TorchRec's CacheParams are planned as the sharders will apply them: as the table's own cache
+    assert storage[2] == storage[1] and planned.kvzch.device_cache == DeviceCache(load_factor=0.1)
 
 
 def test_storage_counts_the_admission_sketch_of_each_shard():

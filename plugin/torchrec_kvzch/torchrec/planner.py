@@ -52,6 +52,7 @@ from torchrec_kvzch.params import (
     AdmissionPolicy, BucketRange, EvictionPolicy, KVZCHTableParams, OptimizerKind, WeightDecayMode)
 from torchrec_kvzch.torchrec.declarations import (
     EXTRA_FIELDS, KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_params)
+from torchrec_kvzch.torchrec.device_cache import with_device_cache
 from torchrec_kvzch.torchrec.modules import ROW_WISE, KVZCHParameterSharding, kvzch_sharders
 from torchrec_kvzch.table.disk_tier import estimated_tier_bytes
 from torchrec_kvzch.table.layout import RowLayout
@@ -265,9 +266,11 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
                     raise ValueError(f"table '{config.name}': its KVZCHConstraints carry the "
                                      f"parameters of table '{explicit.name}'")
                 extras = constraints.extras() if isinstance(constraints, KVZCHConstraints) else {}
-                tables[config.name] = table_params(
-                    config, kernel, getattr(constraints, "key_value_params", None),
-                    table_fused_params(fused, constraints), explicit, extras)
+                kv, table_fused = getattr(constraints, "key_value_params", None), table_fused_params(fused, constraints)
+                params = table_params(config, kernel, kv, table_fused, explicit, extras)
+                # (as the sharders will read them: TorchRec's cache declarations size a CUDA shard's cache)
+                tables[config.name] = with_device_cache(params, table_fused, getattr(constraints, "cache_params", None),
+                                                        kv, self._topology.compute_device == "cuda")
                 self._constraints[config.name] = _pinned(config.name, constraints, kernel)
         missing = sorted(n for n, c in self._constraints.items()
                          if isinstance(c, KVZCHConstraints) and n not in declared)

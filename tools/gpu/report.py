@@ -173,7 +173,8 @@ def larger_line(record: dict, bench: dict) -> str:
             f"{host / left:.2f} times {room}) under a GPU cache of a tenth of its rows trained at "
             f"{bench['larger_step_ms']:.1f} ms a step (batch {bench['batch']:,} x pooling {bench['pooling']}, skewed "
             f"ids; inserting the rows took {bench['larger_build_s']:.0f} s). "
-            f"{'Besides what was held back, t' if held else 'T'}orch's allocator peaked at {bench['larger_gpu_peak_bytes'] / gib:.1f} GiB and the device had "
+            f"{'Besides what was held back, t' if held else 'T'}orch's allocator peaked at "
+            f"{bench['larger_gpu_peak_bytes'] / gib:.1f} GiB and the device had "
             f"{bench['larger_gpu_used_bytes'] / gib:.1f} GiB in use at the end (`bench_gpu.py --larger-than-gpu`, "
             "`docs/benchmarks/gpu_larger.json`).")
 

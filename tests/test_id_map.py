@@ -141,6 +141,31 @@ def test_a_rehash_a_chunk_at_a_time_keeps_every_slot(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_near_the_load_limit_is_looked_up_once(backend, monkeypatch):
+    """A batch that could pass the load limit were all its ids new is looked up first, to count
+    the new ones; the insert reuses that lookup instead of probing again (a big table's steady
+    state), and a batch of known ids ends there."""
+    m = new_map(backend)
+    m.find_or_insert(torch.arange(600))
+    calls = {"lookup": 0, "find_or_insert": 0}
+    for name in calls:
+        def counted(*args, _real=getattr(m.backend, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(m.backend, name, counted)
+    known = torch.arange(500, 0, -1)
+    assert MAX_LOAD * m.capacity < 600 + known.numel()  # (the batch takes the counting lookup)
+    assert torch.equal(m.find_or_insert(known).cpu(), known)
+    assert calls == {"lookup": 1, "find_or_insert": 0}
+    mixed = torch.cat([torch.arange(100, 400), torch.arange(5000, 5090), torch.arange(5000, 5010)])
+    slots = m.find_or_insert(mixed).cpu()  # (room for its 100 absent ids: no rehash)
+    assert torch.equal(slots[:300], torch.arange(100, 400)) and torch.equal(slots[300:390], torch.arange(600, 690))
+    assert torch.equal(slots[390:], torch.arange(600, 610)) and len(m) == 690
+    assert calls == {"lookup": 2, "find_or_insert": 1}
+    assert torch.equal(m.find(m.keys()).cpu(), torch.arange(690))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_tombstones_are_reclaimed(backend):
     """Insert/erase churn at constant size must not grow the table without bound."""
     m = new_map(backend)

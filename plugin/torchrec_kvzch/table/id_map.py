@@ -19,7 +19,7 @@ lands in may differ; its slot may not). Erase, compaction and rehash are written
 
 A lookup checks the ids against the caller's bounds before it changes anything
 (``IdOutOfRange``). ``find_or_insert`` runs in one pass when the table has room for the whole
-batch as new ids; otherwise it counts the absent ids first and makes room for exactly those.
+batch as new ids; else it looks the batch up, makes room for the absent ids and inserts them.
 
 Slots stay dense: new ids take the next slots in order of first appearance, and erasing moves
 the last rows into the holes (the caller moves its row data the same way). Row storage can
@@ -61,17 +61,14 @@ class IdOutOfRange(ValueError):
 
 
 class Backend(Protocol):
+    """``looked``: the caller's lookup of ``ids`` (slots, absent count), where it ran one."""
     name: str
 
     def probe(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
-
-    def lookup(self, table: torch.Tensor, ids: torch.Tensor, lo: int,
-               hi: int) -> tuple[torch.Tensor, int, int]: ...
-
-    def find_or_insert(self, table: torch.Tensor, slot_keys: torch.Tensor, ids: torch.Tensor,
-                       lo: int, hi: int, size: int,
-                       lookup_first: bool) -> tuple[torch.Tensor, int, int]: ...
-
+    def lookup(self, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, int, int]: ...
+    def find_or_insert(self, table: torch.Tensor, slot_keys: torch.Tensor, ids: torch.Tensor, lo: int, hi: int,
+                       size: int, lookup_first: bool,
+                       looked: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, int, int]: ...
     def touch(self, meta: torch.Tensor, slots: torch.Tensor, clock: int) -> None: ...
 
 
@@ -121,8 +118,8 @@ class TorchBackend:
         slots = torch.where(pos >= 0, table[pos.clamp(min=0), 1], -1)
         return slots, -1, int((slots < 0).sum())
 
-    def find_or_insert(self, table, slot_keys, ids, lo, hi, size, lookup_first):
-        slots, bad, misses = self.lookup(table, ids, lo, hi)  # (always a lookup first)
+    def find_or_insert(self, table, slot_keys, ids, lo, hi, size, lookup_first, looked=None):
+        slots, bad, misses = self.lookup(table, ids, lo, hi) if looked is None else (looked[0], -1, looked[1])
         if bad >= 0 or not misses:
             return slots, bad, size
         miss = slots < 0
@@ -201,7 +198,7 @@ class NativeBackend:
     def lookup(self, table, ids, lo, hi):
         return torch.ops.kvzch.lookup(table, ids, lo, hi)
 
-    def find_or_insert(self, table, slot_keys, ids, lo, hi, size, lookup_first):
+    def find_or_insert(self, table, slot_keys, ids, lo, hi, size, lookup_first, looked=None):
         return torch.ops.kvzch.find_or_insert(table, slot_keys, ids, lo, hi, size, lookup_first)
 
     def touch(self, meta, slots, clock) -> None:
@@ -233,9 +230,7 @@ def as_ids(ids: torch.Tensor, device: torch.device, check: bool = True) -> torch
     """Validate a batch of global ids: a flat contiguous int64 tensor of non-negative values
     (``check=False``: the values are checked later, by a lookup's bounds)."""
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(
-            f"ids must be an int64 (or int32) tensor, got {getattr(ids, 'dtype', type(ids))}"
-        )
+        raise TypeError(f"ids must be an int64 (or int32) tensor, got {getattr(ids, 'dtype', type(ids))}")
     ids = ids.reshape(-1).to(device=device, dtype=torch.long).contiguous()
     if check and ids.numel() and int(ids.min()) < 0:
         raise _negative(int(ids.min()))
@@ -250,7 +245,6 @@ def _negative(id_: int) -> ValueError:
 @dataclass(frozen=True)
 class Compaction:
     """Row moves that keep slots dense after an erase: ``rows[dst] = rows[src]``."""
-
     src: torch.Tensor
     dst: torch.Tensor
     new_size: int
@@ -302,14 +296,20 @@ class IdMap:
         first appearance, so a caller initialises exactly ``keys()[old_len:]``. An id outside
         ``bounds`` raises ``IdOutOfRange`` before anything changes."""
         ids = as_ids(ids, self.device, check=False)
-        if (self._occupied + ids.numel() > MAX_LOAD * self.capacity
-                or self.size + ids.numel() > MAX_SLOTS):
-            # Were every id new, the table would pass its load limit: count the absent ones first.
-            self._reserve(self._lookup(ids, bounds)[2])
+        looked = None
+        if self._occupied + ids.numel() > MAX_LOAD * self.capacity or self.size + ids.numel() > MAX_SLOTS:
+            # Were every id new, the table would pass its load limit: count the absent ones first,
+            # and let the insert reuse that lookup (a big table's steady state: one probe per id).
+            slots, ids, misses = self._lookup(ids, bounds)
+            if not misses:  # (nothing to insert)
+                self._new_fraction = 0.0
+                return slots
+            self._reserve(misses)
+            looked = (slots, misses)
         self._grow_slot_keys(self.size + ids.numel())
         slots, bad, new_size = self.backend.find_or_insert(
             self.table, self.slot_keys, ids, *bounds, self.size,
-            self._new_fraction < LOOKUP_FIRST_BELOW)
+            self._new_fraction < LOOKUP_FIRST_BELOW, looked)
         self._raise_if_bad(ids, bad, bounds)
         self._new_fraction = (new_size - self.size) / max(1, ids.numel())
         self._occupied += new_size - self.size

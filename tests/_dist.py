@@ -98,13 +98,13 @@ def _serve(rank, world_size, port, inbox, results):
 class RankPool:
     """``world_size`` gloo ranks kept alive across calls, so that many cases share one start
     (imports and process-group set-up cost seconds per process): ``run(fn, *args)`` runs
-    ``fn(rank, world_size, *args)`` on every rank and returns the results by rank. A rank
-    that fails while the others wait in a collective hangs the pool: the call then times out
-    and the pool is closed."""
+    ``fn(rank, world_size, *args)`` on every rank and returns the results by rank. A call that
+    fails closes the pool (a rank that fails while the others wait in a collective hangs them:
+    the call then times out first)."""
 
     def __init__(self, world_size: int, timeout: float = 300.0) -> None:
         ctx = mp.get_context("spawn")
-        self.world_size, self.timeout = world_size, timeout
+        self.world_size, self.timeout, self.closed = world_size, timeout, False
         self._results = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         port = _free_port()
@@ -134,17 +134,43 @@ class RankPool:
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 failed_at = time.monotonic()
-        if errors:
+        if errors:  # (its ranks' state is unknown now: the next call gets a fresh pool from RankPools)
+            self.close()
             raise AssertionError("\n".join(errors))
         return [out[r] for r in range(self.world_size)]
 
     def close(self) -> None:
+        self.closed = True
         for inbox in self._inboxes:
             inbox.put(None)
         for p in self._procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed and all(p.exitcode is None for p in self._procs)
+
+
+class RankPools:
+    """``RankPool``s by world size (``pools[w].run(fn, *args)``), each started on first use and
+    started afresh where the last one died or was closed (a failed call that timed out)."""
+
+    def __init__(self, timeout: float = 600.0) -> None:
+        self.timeout, self._pools = timeout, {}
+
+    def __getitem__(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            if pool is not None:
+                pool.close()
+            pool = self._pools[world_size] = RankPool(world_size, self.timeout)
+        return pool
+
+    def close(self) -> None:
+        while self._pools:
+            self._pools.popitem()[1].close()
 
 
 def sharded(module, constraints=None, fused_params=None, batch_size=None, sharders=None):

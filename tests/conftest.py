@@ -19,11 +19,10 @@ settings.load_profile(os.environ.get("KVZCH_HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(scope="module")
 def pools():
-    """Gloo ranks for world sizes 1-3 (``_dist.RankPool``), started once for every case of a
-    module: starting them costs seconds per process."""
-    from _dist import RankPool
+    """Gloo ranks by world size (``_dist.RankPools``), each started once for every case of a
+    module that runs on it: starting them costs seconds per process."""
+    from _dist import RankPools
 
-    started = {w: RankPool(w, timeout=600) for w in (1, 2, 3)}
+    started = RankPools(timeout=600)
     yield started
-    for pool in started.values():
-        pool.close()
+    started.close()

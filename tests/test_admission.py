@@ -243,19 +243,17 @@ def _load_and_go_on(rank, world, path):
     return _steps(model, range(4, 7), rank, world), *loaded
 
 
-def test_a_resume_with_admission_is_exact_and_another_world_size_merges_the_sketches(tmp_path):
+def test_a_resume_with_admission_is_exact_and_another_world_size_merges_the_sketches(pools, tmp_path):
     """Saved at 2 ranks: loaded at 2, every output after the resume is bitwise the run's that
     went on (same admissions, default rows and rows); loaded at 1, the sketches add up and the
     totals are kept."""
-    from _dist import run_ranks
-
     path = str(tmp_path / "ckpt")
-    saved = run_ranks(2, _save_and_go_on, path)
-    resumed = run_ranks(2, _load_and_go_on, path)
+    saved = pools[2].run(_save_and_go_on, path)
+    resumed = pools[2].run(_load_and_go_on, path)
     for (outs, counters, sketch), (again, loaded, loaded_sketch) in zip(saved, resumed):
         assert (loaded, loaded_sketch) == (counters, sketch)
         assert all(torch.equal(a, b) for a, b in zip(outs, again))
-    [(_, merged, merged_sketch)] = run_ranks(1, _load_and_go_on, path)
+    [(_, merged, merged_sketch)] = pools[1].run(_load_and_go_on, path)
     for key in ("rows", "admitted", "rejected"):
         assert merged[key] == sum(c[key] for _, c, _ in saved)
     assert merged_sketch == sum(s for _, _, s in saved)

@@ -20,7 +20,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from _dist import run_ranks, sharded
+from _dist import sharded
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.checkpoint.integrity import checksum, read_saved
 from torchrec_kvzch.checkpoint.load_planner import KVZCHLoadPlanner
@@ -167,12 +167,12 @@ def load_and_compare(rank, world_size, path, chunk, expected_rows, probes, whole
     return model(batch(999)).wait().values().detach() if world_size == len(probes) else None
 
 
-def save_then_load(tmp_path, save_world, load_world, whole_row=True, asynchronous=False, steps=3, chunk=7):
+def save_then_load(pools, tmp_path, save_world, load_world, whole_row=True, asynchronous=False, steps=3, chunk=7):
     path = str(tmp_path / "ckpt")
-    saved = run_ranks(save_world, train_and_save, path, chunk, steps, whole_row, asynchronous)
+    saved = pools[save_world].run(train_and_save, path, chunk, steps, whole_row, asynchronous)
     expected = saved[0][0]
     probes = [probe for _, probe, _ in saved]
-    outs = run_ranks(load_world, load_and_compare, path, chunk, expected, probes, whole_row)
+    outs = pools[load_world].run(load_and_compare, path, chunk, expected, probes, whole_row)
     if save_world == load_world:  # same local batches: identical outputs
         for out, probe in zip(outs, probes):
             assert torch.equal(out, probe)
@@ -181,14 +181,14 @@ def save_then_load(tmp_path, save_world, load_world, whole_row=True, asynchronou
 
 @pytest.mark.parametrize("save_world, load_world, whole_row", [
     (2, 2, True), (1, 2, True), (2, 1, True), (2, 3, True), (3, 2, True), (2, 2, False), (2, 3, False)])
-def test_save_and_load_at_any_world_size(tmp_path, save_world, load_world, whole_row):
-    saved = save_then_load(tmp_path, save_world, load_world, whole_row)
+def test_save_and_load_at_any_world_size(pools, tmp_path, save_world, load_world, whole_row):
+    saved = save_then_load(pools, tmp_path, save_world, load_world, whole_row)
     assert len(saved[0][0]) > 50
 
 
 @pytest.mark.parametrize("load_world", [2, 3])
-def test_async_save_holds_the_rows_of_the_call(tmp_path, load_world):
-    saved = save_then_load(tmp_path, 2, load_world, asynchronous=True)
+def test_async_save_holds_the_rows_of_the_call(pools, tmp_path, load_world):
+    saved = save_then_load(pools, tmp_path, 2, load_world, asynchronous=True)
     for _, _, info in saved:
         assert info["copied"] > 0 and not info["still_frozen"]
 
@@ -196,11 +196,11 @@ def test_async_save_holds_the_rows_of_the_call(tmp_path, load_world):
 @settings(max_examples=max(2, settings().max_examples // 10))
 @given(save_world=st.integers(1, 3), load_world=st.integers(1, 4), whole_row=st.booleans(),
        asynchronous=st.booleans(), steps=st.integers(0, 4), chunk=st.sampled_from([1, 5, 64]))
-def test_save_and_load_property(save_world, load_world, whole_row, asynchronous, steps, chunk):
+def test_save_and_load_property(pools, save_world, load_world, whole_row, asynchronous, steps, chunk):
     """Any world size to any other, sync or async, any chunking: every row and all optimizer
     state come back as they were at the save."""
     with tempfile.TemporaryDirectory() as tmp:
-        save_then_load(Path(tmp), save_world, load_world, whole_row, asynchronous, steps, chunk)
+        save_then_load(pools, Path(tmp), save_world, load_world, whole_row, asynchronous, steps, chunk)
 
 
 def load_mismatched(rank, world_size, path, dims):
@@ -223,10 +223,10 @@ def load_mismatched(rank, world_size, path, dims):
     ((("user", 8), ("item", 16)), "KV-ZCH table 'item' was saved with embedding_dim 12 (fp32), this model has 16 (fp32)"),
     ((("user", 8), ("item", 12), ("extra", 4)), "has no rows for KV-ZCH table 'extra'"),
 ])
-def test_mismatched_checkpoint_is_refused_before_any_row_changes(tmp_path, dims, fragment):
+def test_mismatched_checkpoint_is_refused_before_any_row_changes(pools, tmp_path, dims, fragment):
     path = str(tmp_path / "ckpt")
-    run_ranks(1, train_and_save, path, 7, 1)
-    for error, unchanged in run_ranks(2, load_mismatched, path, dims):
+    pools[1].run(train_and_save, path, 7, 1)
+    for error, unchanged in pools[2].run(load_mismatched, path, dims):
         assert error is not None and fragment in error and path in error
         assert unchanged
 
@@ -240,27 +240,33 @@ def saves_with_plan_caching(rank, world_size, root):
         def emit(self, record):
             reused.append("No change in the local plan" in record.getMessage())
 
-    logging.getLogger("torch.distributed.checkpoint.default_planner").addHandler(Reuse())
-    logging.getLogger("torch.distributed.checkpoint.default_planner").setLevel(logging.INFO)
-    model = build(world_size, 7)
-    snapshots = []
-    for i, steps in enumerate((2, 0, 3)):  # the second save changes nothing, the third adds rows
-        for step in range(steps):
-            model(batch(10 * i + step + 100 * rank)).wait().values().sum().backward()
-        state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
-        reused.clear()
-        dcp.save(state, checkpoint_id=f"{root}/save{i}", planner=KVZCHSavePlanner(enable_plan_caching=True))
-        snapshots.append((all_rows(model), any(reused)))
-    return snapshots
+    log, handler = logging.getLogger("torch.distributed.checkpoint.default_planner"), Reuse()
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        model = build(world_size, 7)
+        snapshots = []
+        for i, steps in enumerate((2, 0, 3)):  # the second save changes nothing, the third adds rows
+            for step in range(steps):
+                model(batch(10 * i + step + 100 * rank)).wait().values().sum().backward()
+            state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+            reused.clear()
+            dcp.save(state, checkpoint_id=f"{root}/save{i}", planner=KVZCHSavePlanner(enable_plan_caching=True))
+            snapshots.append((all_rows(model), any(reused)))
+        return snapshots
+    finally:  # (the rank serves other cases next)
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
-def test_save_plan_caching_reuses_plans_and_stays_correct(tmp_path):
+def test_save_plan_caching_reuses_plans_and_stays_correct(pools, tmp_path):
     root = str(tmp_path)
-    snapshots = run_ranks(2, saves_with_plan_caching, root)[0]
+    snapshots = pools[2].run(saves_with_plan_caching, root)[0]
     assert [reused for _, reused in snapshots] == [False, True, False]
     assert len(snapshots[2][0]) > len(snapshots[1][0])
     for i, (rows, _) in enumerate(snapshots):
-        run_ranks(2, load_and_compare, f"{root}/save{i}", 7, rows, [None, None, None])
+        pools[2].run(load_and_compare, f"{root}/save{i}", 7, rows, [None, None, None])
 
 
 def damage_kv_rows(path: str, damage: str) -> str:
@@ -284,23 +290,23 @@ def damage_kv_rows(path: str, damage: str) -> str:
 
 @pytest.mark.parametrize("damage, fragment", [
     ("truncate", "is truncated"), ("delete", "is missing"), ("corrupt", "is corrupt")])
-def test_damaged_files_are_refused_before_any_row_changes(tmp_path, damage, fragment):
+def test_damaged_files_are_refused_before_any_row_changes(pools, tmp_path, damage, fragment):
     path = str(tmp_path / "ckpt")
-    run_ranks(1, train_and_save, path, 7, 1)
+    pools[1].run(train_and_save, path, 7, 1)
     target = damage_kv_rows(path, damage)
-    for error, unchanged in run_ranks(2, load_mismatched, path, (("user", 8), ("item", 12))):
+    for error, unchanged in pools[2].run(load_mismatched, path, (("user", 8), ("item", 12))):
         assert error is not None and unchanged
         assert target in error and fragment in error and "KV-ZCH table" in error
 
 
-def test_a_save_into_a_used_folder_replaces_the_checksum_files(tmp_path):
+def test_a_save_into_a_used_folder_replaces_the_checksum_files(pools, tmp_path):
     path = str(tmp_path / "ckpt")
-    run_ranks(2, train_and_save, path, 7, 1)
+    pools[2].run(train_and_save, path, 7, 1)
     assert sorted(p for p in os.listdir(path) if p.startswith("kvzch_checksums")) == [
         "kvzch_checksums_0.json", "kvzch_checksums_1.json"]
-    expected = run_ranks(1, train_and_save, path, 7, 2)[0][0]
+    expected = pools[1].run(train_and_save, path, 7, 2)[0][0]
     assert [p for p in os.listdir(path) if p.startswith("kvzch_checksums")] == ["kvzch_checksums_0.json"]
-    run_ranks(2, load_and_compare, path, 7, expected, [None])
+    pools[2].run(load_and_compare, path, 7, expected, [None])
 
 
 def materialised(state):
@@ -330,8 +336,8 @@ def load_materialized(rank, world_size, whole_row):
 
 
 @pytest.mark.parametrize("whole_row", [True, False])
-def test_materialised_state_dict_loads_through_load_state_dict(whole_row):
-    assert run_ranks(2, load_materialized, whole_row) == [True, True]
+def test_materialised_state_dict_loads_through_load_state_dict(pools, whole_row):
+    assert pools[2].run(load_materialized, whole_row) == [True, True]
 
 
 def to_zlib_checksums(path: str) -> None:
@@ -348,15 +354,15 @@ def to_zlib_checksums(path: str) -> None:
             json.dump(old, f)
 
 
-def test_checkpoints_with_zlib_checksums_still_load_and_verify(tmp_path):
+def test_checkpoints_with_zlib_checksums_still_load_and_verify(pools, tmp_path):
     """Checkpoints of earlier versions recorded zlib's CRC-32 in flat side files: they load, and
     a damaged one is still refused before any row changes."""
     path = str(tmp_path / "ckpt")
-    expected = run_ranks(2, train_and_save, path, 7, 2)[0][0]
+    expected = pools[2].run(train_and_save, path, 7, 2)[0][0]
     to_zlib_checksums(path)
-    run_ranks(2, load_and_compare, path, 7, expected, [None])
+    pools[2].run(load_and_compare, path, 7, expected, [None])
     target = damage_kv_rows(path, "corrupt")
-    for error, unchanged in run_ranks(2, load_mismatched, path, (("user", 8), ("item", 12))):
+    for error, unchanged in pools[2].run(load_mismatched, path, (("user", 8), ("item", 12))):
         assert error is not None and unchanged
         assert target in error and "is corrupt" in error and "KV-ZCH table 'item'" in error
 
@@ -371,18 +377,21 @@ def load_counting_direct_reads(rank, world_size, path, chunk, expected, whole_ro
     if not raw_ids:
         SavedFiles._locate = lambda self, index: None if index.fqn.endswith("weight_id") else locate(self, index)
     SavedFiles.read_rows = lambda self, span, first, out: reads.append(span) or read_rows(self, span, first, out)
-    load_and_compare(rank, world_size, path, chunk, expected, [None], whole_row)
+    try:
+        load_and_compare(rank, world_size, path, chunk, expected, [None], whole_row)
+    finally:  # (the rank serves other cases next)
+        SavedFiles._locate, SavedFiles.read_rows = locate, read_rows
     return len(reads)
 
 
 @pytest.mark.parametrize("whole_row, raw_ids", [(True, True), (False, True), (False, False)])
-def test_rows_are_read_straight_from_the_files(tmp_path, whole_row, raw_ids):
+def test_rows_are_read_straight_from_the_files(pools, tmp_path, whole_row, raw_ids):
     """Rows go from the files into the stores without DCP's per-chunk torch.load. A split table
     one of whose parts cannot be read so (its ids here) is left to DCP's reader whole, and
     loads all the same."""
     path = str(tmp_path / "ckpt")
-    expected = run_ranks(2, train_and_save, path, 7, 2, whole_row)[0][0]
-    reads = run_ranks(3, load_counting_direct_reads, path, 7, expected, whole_row, raw_ids)
+    expected = pools[2].run(train_and_save, path, 7, 2, whole_row)[0][0]
+    reads = pools[3].run(load_counting_direct_reads, path, 7, expected, whole_row, raw_ids)
     assert all(n > 0 for n in reads) if raw_ids else not any(reads)
 
 

@@ -351,16 +351,6 @@ def train_declared(rank, world, policy_name):
     return results
 
 
-@pytest.fixture(scope="module")
-def pools():
-    from _dist import RankPool
-
-    started = {w: RankPool(w, timeout=300) for w in (1, 2)}
-    yield started
-    for pool in started.values():
-        pool.close()
-
-
 @pytest.mark.parametrize("world", [1, 2])
 def test_upstream_policies_train_on_one_and_two_ranks(pools, world):
     kinds = {"none": "none", "timestamp": "ttl", "count": "lfu", "mixed": "lfu", "l2": "l2"}

@@ -109,19 +109,19 @@ def assert_same(got: dict, want: dict, exact: bool) -> None:
 
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=requires_cuda())])
-def test_sparse_dist_pipeline_trains_like_a_plain_loop(where):
-    world, device, backend = (2, "cpu", "gloo") if where == "cpu" else (1, DEVICE.type, BACKEND)
-    want = run_ranks(world, train, device, "plain", backend=backend, timeout=600)
-    got = run_ranks(world, train, device, "sparse-dist", backend=backend, timeout=600)
+def test_sparse_dist_pipeline_trains_like_a_plain_loop(pools, where):
+    world, device = (2, "cpu") if where == "cpu" else (1, DEVICE.type)
+    run = pools[world].run if where == "cpu" else lambda *a: run_ranks(world, *a, backend=BACKEND, timeout=600)
+    want, got = run(train, device, "plain"), run(train, device, "sparse-dist")
     for rank in range(world):
         assert_same(got[rank], want[rank], exact=where == "cpu")
 
 
-def test_the_semi_sync_reference_reads_rows_one_update_stale():
+def test_the_semi_sync_reference_reads_rows_one_update_stale(pools):
     """The reference loop itself: from start_batch on its losses leave the plain loop's (each
     batch reads rows before the last update), before it they are the same."""
-    plain = run_ranks(2, train, "cpu", "plain", timeout=600)[0]
-    stale = run_ranks(2, train, "cpu", "plain-semi-sync", 3, timeout=600)[0]
+    plain = pools[2].run(train, "cpu", "plain")[0]
+    stale = pools[2].run(train, "cpu", "plain-semi-sync", 3)[0]
     assert stale["losses"][:4] == plain["losses"][:4] and stale["losses"][4:] != plain["losses"][4:]
 
 
@@ -172,11 +172,11 @@ def _prefetch_beside_torchrecs_kernels(rank: int, world_size: int, sequence: boo
 
 
 @pytest.mark.parametrize("sequence", [False, True])
-def test_torchrecs_prefetch_hands_our_kernels_their_batch_beside_its_own_kernels(sequence):
+def test_torchrecs_prefetch_hands_our_kernels_their_batch_beside_its_own_kernels(pools, sequence):
     """A row-wise lookup holding our kernel and one of TorchRec's, under TorchRec's prefetch (as
     where one of its caching tables shares the lookup, which makes the sequence lookup prefetch
     every kernel it holds): ours are passed over by TorchRec's loop and look their batch up once."""
-    got = run_ranks(1, _prefetch_beside_torchrecs_kernels, sequence, timeout=600)[0]
+    got = pools[1].run(_prefetch_beside_torchrecs_kernels, sequence)[0]
     assert "KVZCHEmbeddingKernel" in got["kernels"] and len(got["kernels"]) > 1
     assert got["waiting"] == {"kv": 1, "kv2": 1} and got["left"] == 0 and got["clocks"] == [1, 1]
     assert got["theirs"] == ([got["plain"]] if sequence else [])  # (the pooled lookup skips kernels that need none)

@@ -16,7 +16,6 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from _dist import run_ranks
 from torchrec_kvzch import AdmissionPolicy, KVZCHTableParams
 from torchrec_kvzch.torchrec import KVZCH_KERNEL, KVZCHEmbeddingKernel, KVZCHParameterSharding, kvzch_embedding_bag_config, kvzch_sharders
 from torchrec_kvzch.torchrec.planner import KVZCHConstraints, KVZCHShardingPlanner
@@ -177,9 +176,9 @@ def plan_and_train(rank, world_size):
     return type(plan.plan[""]["user"]).__name__, kernels
 
 
-def test_collective_plan_then_dmp_on_two_ranks():
+def test_collective_plan_then_dmp_on_two_ranks(pools):
     # Both KV-ZCH tables (dims 16 and 32) are served by one kernel on each rank.
-    assert run_ranks(2, plan_and_train) == [("KVZCHParameterSharding", [["item", "user"]])] * 2
+    assert pools[2].run(plan_and_train) == [("KVZCHParameterSharding", [["item", "user"]])] * 2
 
 
 def test_plans_for_a_cuda_topology_charge_device_memory():
@@ -259,10 +258,10 @@ def plan_failures(rank, world_size):
     return errors
 
 
-def test_every_rank_raises_the_same_planning_error():
+def test_every_rank_raises_the_same_planning_error(pools):
     # Before: rank 0 raised TorchRec's "Number of buckets (1) must be >= the number of ranks (2)"
     # (no table name) and rank 1 died on gloo's "Connection closed by peer".
-    by_rank = run_ranks(2, plan_failures)
+    by_rank = pools[2].run(plan_failures)
     assert by_rank[0] == by_rank[1]
     few_buckets = ("ValueError", "KV-ZCH table 'user': total_num_buckets (1) is smaller than the world size (2), "
                    "so some ranks would own no bucket; fix: use at least 2 buckets (a multiple of the world "

@@ -23,7 +23,6 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from _dist import run_ranks
 from torchrec_kvzch import KVZCHTableParams
 from torchrec_kvzch.torchrec import (
     KVZCH_KERNEL,
@@ -217,30 +216,30 @@ BASE = dict(dim=8, dim2=16, buckets=8, pooling=PoolingType.SUM, optimizer="exact
             batch=4, max_len=3)
 
 
-def test_dmp_two_ranks_matches_fused_twin():
-    rows = run_ranks(2, sweep, [BASE])
+def test_dmp_two_ranks_matches_fused_twin(pools):
+    rows = pools[2].run(sweep, [BASE])
     assert all(r[0] > 0 for r in rows)  # both ranks own rows
 
 
-def test_dmp_uneven_buckets_mean_pooling_sgd_and_an_empty_rank():
+def test_dmp_uneven_buckets_mean_pooling_sgd_and_an_empty_rank(pools):
     # 5 buckets on 2 ranks: 3 + 2. Rank 1 sends an empty batch every step.
     case = dict(BASE, buckets=5, pooling=PoolingType.MEAN, optimizer="exact_sgd", dim2=12)
-    run_ranks(2, sweep, [case], 1)
+    pools[2].run(sweep, [case], 1)
 
 
-def test_dmp_weighted_features_two_ranks():
-    run_ranks(2, sweep, [dict(BASE, weighted=True), dict(BASE, weighted=True, pooling=PoolingType.MEAN)])
+def test_dmp_weighted_features_two_ranks(pools):
+    pools[2].run(sweep, [dict(BASE, weighted=True), dict(BASE, weighted=True, pooling=PoolingType.MEAN)])
 
 
-def test_dmp_sequence_tables_two_ranks():
-    rows = run_ranks(2, sweep, [dict(BASE, pooling=None, buckets=6)])
+def test_dmp_sequence_tables_two_ranks(pools):
+    rows = pools[2].run(sweep, [dict(BASE, pooling=None, buckets=6)])
     assert all(r[0] > 0 for r in rows)
 
 
-def test_dmp_random_cases_on_two_and_three_ranks():
-    run_ranks(2, sweep, random_cases(seed=11, n=4))
-    run_ranks(3, sweep, random_cases(seed=12, n=2))
+def test_dmp_random_cases_on_two_and_three_ranks(pools):
+    pools[2].run(sweep, random_cases(seed=11, n=4))
+    pools[3].run(sweep, random_cases(seed=12, n=2))
 
 
-def test_dmp_single_rank():
-    run_ranks(1, sweep, [dict(BASE, buckets=4)])
+def test_dmp_single_rank(pools):
+    pools[1].run(sweep, [dict(BASE, buckets=4)])

@@ -93,7 +93,7 @@ from torchrec.modules.embedding_configs import (
 )
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from _dist import RankPool
+from _dist import RankPools
 from torchrec_kvzch.torchrec import KVZCHShardingPlanner, kvzch_sharders
 
 WORLD = 2
@@ -105,13 +105,14 @@ DTYPES = [pytest.param(DataType.FP32, id="fp32"), pytest.param(DataType.FP16, id
 
 
 # -- running on gloo ranks ------------------------------------------------------------------------
-_POOLS: Dict[int, RankPool] = {}
+_POOLS = RankPools(timeout=300)
 
 
 def _guarded(rank, world_size, fn, *args):
     """Runs a port on one rank. A failing rank leaves its peer waiting in a collective (e.g.
     the planner's broadcast from rank 0), so after reporting it exits: the peer's gloo call
-    then fails at once instead of waiting out the pool's timeout."""
+    then fails at once instead of waiting out the pool's timeout (and the next port starts a
+    fresh pool)."""
     try:
         return fn(rank, world_size, *args)
     except BaseException:
@@ -120,20 +121,13 @@ def _guarded(rank, world_size, fn, *args):
 
 
 def _run(fn, *args, world: int = WORLD) -> list:
-    if world not in _POOLS:
-        _POOLS[world] = RankPool(world, timeout=300)
-    try:
-        return _POOLS[world].run(_guarded, fn, *args)
-    except BaseException:
-        _POOLS.pop(world).close()  # its ranks exit after a failure; the next port starts a fresh pool
-        raise
+    return _POOLS[world].run(_guarded, fn, *args)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _close_pools():
     yield
-    while _POOLS:
-        _POOLS.popitem()[1].close()
+    _POOLS.close()
 
 
 # -- the single-rank base, on the current gloo WORLD ---------------------------------------------

@@ -18,7 +18,8 @@ cache of 10% and 50% of them (``DeviceCache``), Zipf(1.05) batches of 65,536 x 2
 fbgemm's TBE with the whole table in GPU memory: ``ratio_host_<percent>_zipf`` (target 0.5 at
 50%), and ``hit_rate_host_<percent>_zipf``, the share of a step's distinct rows found cached
 before its lookup. For reference, fbgemm's own managed-caching TBE over the same rows with the
-same cache (``ratio_fbgemm_cache_<percent>_zipf``).
+same cache (``ratio_fbgemm_cache_<percent>_zipf``); with ``--profile``, torch.profiler's tables of
+ours and of it at 50% (lru): what ours adds to fbgemm's caching.
 
 ``--larger-than-gpu`` (issue 34): a table whose rows take 1.1 times the GPU memory the run may use,
 in host memory under a GPU cache of 10% of them, trains: ``larger_rows``, ``larger_host_bytes``,
@@ -89,9 +90,10 @@ def map_ms(tbe, universe, batch: int, pooling: int, dist: str, reps: int) -> tup
             device_ms(lambda: tbe.store.find(next(again)), universe.device, reps))
 
 
-def profile(tbe, baseline, universe, batch: int, pooling: int, dist: str, path: Path) -> None:
-    """torch.profiler's table of ours and TBE's training steps on one case: which kernels and
-    host calls (syncs, copies, launches) the gap is made of."""
+def profile(tbe, baseline, universe, batch: int, pooling: int, dist: str, path: Path,
+            baseline_name: str = "fbgemm TBE") -> None:
+    """torch.profiler's table of ours and the baseline's (TBE's) training steps on one case: which
+    kernels and host calls (syncs, copies, launches) the gap is made of."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -100,7 +102,7 @@ def profile(tbe, baseline, universe, batch: int, pooling: int, dist: str, path: 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     offsets = torch.arange(0, batch * pooling + 1, pooling, dtype=torch.long, device=device)
     tables = []
-    for name, module, global_ids in (("ours", tbe, True), ("fbgemm TBE", baseline, False)):
+    for name, module, global_ids in (("ours", tbe, True), (baseline_name, baseline, False)):
         steps = [local.to(device) for local in batches(universe.numel(), batch, pooling, dist, 8, seed=5)]
         steps = [universe[local] if global_ids else local for local in steps]
         for inputs in steps[:3]:  # warm up
@@ -229,7 +231,6 @@ def host_cache(args, device: torch.device) -> dict:
         results.update({f"ours_ms_{case}": r["ours_ms"], f"tbe_ms_{case}": r["tbe_ms"], f"ratio_{case}": r["ratio"],
                         f"cache_rows_{case}": cache_rows,
                         f"hit_rate_{case}": hit_rate(tbe, universe, batch, args.pooling, 5)})
-        del tbe
         for mapped in (False, True) if (percent, policy) == (50, "lru") else (False,):
             cached = SplitTableBatchedEmbeddingBagsCodegen(
                 [(rows, args.dim, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)],
@@ -238,7 +239,10 @@ def host_cache(args, device: torch.device) -> dict:
             r = compare(cached, baseline, dense, batch, args.pooling, "zipf", args.steps, args.warmup)
             key = case.replace("host_", "fbgemm_cache_") + ("_host_mapped" if mapped else "")
             results.update({f"{key}_ms": r["ours_ms"], f"ratio_{key}": r["ratio"]})
+            if args.profile and (percent, policy, mapped) == (50, "lru", False):  # what ours adds to fbgemm's cache
+                profile(tbe, cached, universe, batch, args.pooling, "zipf", args.profile, "fbgemm managed-caching TBE")
             del cached
+        del tbe
         torch.cuda.empty_cache()
     results["targets"] = {f"{key} >= {HOST_TARGET}": results[key] >= HOST_TARGET
                           for key in ("ratio_host_50_zipf", "ratio_host_50_zipf_lfu")}
@@ -299,7 +303,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--plot", type=Path)
-    parser.add_argument("--profile", type=Path, help="torch.profiler tables of the first case")
+    parser.add_argument("--profile", type=Path, help="torch.profiler tables of the first case (--host-cache: "
+                        "of the 50%% lru cache against fbgemm's managed-caching TBE)")
     parser.add_argument("--dmp", action="store_true", help="the DMP comparison, under torchrun")
     parser.add_argument("--host-cache", action="store_true", help="a table in host memory under a GPU cache")
     parser.add_argument("--host-rows", type=int, default=10_000_000)

@@ -11,7 +11,7 @@
 #   5. bench_gpu.py --dmp under torchrun                         -> OUT/gpu_dmp.json
 #   6. TorchRec's pipelines against a plain loop                 -> OUT/pipelines.xml
 #   7. (key host, asked for by name) bench_gpu.py --host-cache: a table in host memory under a
-#      GPU cache against fbgemm's TBE with the table in GPU memory -> OUT/gpu_host.json
+#      GPU cache against fbgemm's TBE with the table in GPU memory -> OUT/gpu_host.json, gpu_host_profile.txt
 #   8. (key larger, by name) bench_gpu.py --larger-than-gpu: a table larger than the GPU memory
 #      left to it trains (on the H200 machine, whose host memory is the smaller, it holds part of
 #      the GPU back first)                                       -> OUT/gpu_larger.json
@@ -104,7 +104,7 @@ stage pipelines "pipelines" 150 "${pytest[@]}" tests/test_pipelines.py -k "cuda 
   --junitxml="$out/pipelines.xml"
 # (the long runs last, after every test)
 [ "$dev" = cuda ] && stage host "host-cache benchmark" 170 "$py" benchmarks/bench_gpu.py --host-cache --steps 40 \
-  --warmup 10 --json "$out/gpu_host.json"
+  --warmup 10 --json "$out/gpu_host.json" --profile "$out/gpu_host_profile.txt"
 [ "$dev" = cuda ] && stage larger "larger-than-GPU table" 300 "$py" benchmarks/bench_gpu.py --larger-than-gpu \
   --steps 10 --warmup 2 --json "$out/gpu_larger.json"
 finish

@@ -7,11 +7,12 @@ Training (a run with ``gpu.json``): copies the run's ``gpu.json``, ``gpu.png``, 
 ``docs/benchmarks/gpu_run.json`` (when, which commit, on which GPU, and the tests each JUnit
 file counted) and rewrites the table between the ``gpu:table`` markers of ``docs/gpu.md``.
 Serving (a run with ``gpu_serving.json``): the same for ``gpu_serving.json`` / ``.png`` and
-``serving.xml``, into ``gpu_serving_run.json`` and between the ``gpu:serving`` markers. A run
-Host cache (a run with ``gpu_host.json``, issue 34): the same for it and the kernel tests, into
-``gpu_host_run.json`` and between the ``gpu:host`` markers; a table larger than the GPU
-(``gpu_larger.json``) between the ``gpu:larger`` markers. A run of some stages
-(``KVZCH_CHECK_STAGES``) renews the parts it has, and leaves the others.
+``serving.xml``, into ``gpu_serving_run.json`` and between the ``gpu:serving`` markers.
+Host cache (a run with ``gpu_host.json``, issue 34): the same for it (and its profile,
+``gpu_host_profile.txt``) and the kernel tests, into ``gpu_host_run.json`` and between the
+``gpu:host`` markers; a table larger than the GPU (``gpu_larger.json``) between the
+``gpu:larger`` markers. A run of some stages (``KVZCH_CHECK_STAGES``) renews the parts it has,
+and leaves the others.
 """
 
 from __future__ import annotations
@@ -215,7 +216,9 @@ def main() -> int:
         record = run_record(run, bench_file="gpu_larger.json")
         _rewrite(LARGER_MARKERS, larger_line(record, json.loads((run / "gpu_larger.json").read_text())))
     if (run / "gpu_host.json").exists():
-        shutil.copyfile(run / "gpu_host.json", DOCS / "gpu_host.json")
+        for name in ("gpu_host.json", "gpu_host_profile.txt"):
+            if (run / name).exists():
+                shutil.copyfile(run / name, DOCS / name)
         record = run_record(run, bench_file="gpu_host.json")
         (DOCS / "gpu_host_run.json").write_text(json.dumps(record, indent=1) + "\n")
         _rewrite(HOST_MARKERS, host_table(record, json.loads((run / "gpu_host.json").read_text())))

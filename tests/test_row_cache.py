@@ -181,8 +181,22 @@ def test_an_l2_pass_reads_the_cached_weights(fake):
 
 
 def test_a_device_cache_is_refused_where_it_cannot_serve():
+    from torchrec.distributed.planner import Topology
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_kvzch.torchrec import KVZCHShardingPlanner, kvzch_embedding_bag_config, kvzch_sharders
+    from torchrec_kvzch.torchrec.planner import KVZCHConstraints
+
     with pytest.raises(ValueError, match="device cache serves a CUDA store"):
         RowStore(params(64))
+    # Planning for CPU ranks refuses it already (a dry run says so), naming the table and the fix.
+    table = params(64)
+    ebc = EmbeddingBagCollection(tables=[kvzch_embedding_bag_config(table, ["f"])], device=torch.device("meta"))
+    planner = KVZCHShardingPlanner(Topology(world_size=2, compute_device="cpu", local_world_size=2),
+                                   constraints={table.name: KVZCHConstraints(kvzch=table)})
+    with pytest.raises(ValueError, match=f"KV-ZCH table '{table.name}': a device cache .* on CPU ranks .* drop "
+                                         "device_cache"):
+        planner.plan(ebc, kvzch_sharders())
     with pytest.raises(ValueError, match="load_factor must be a number in"):
         KVZCHTableParams("t", 8, device_cache=DeviceCache(load_factor=1.5))
     with pytest.raises(ValueError, match="device_cache and storage"):

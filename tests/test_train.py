@@ -337,6 +337,11 @@ def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
     few.write_text(Path(QUICKSTART).read_text().replace("total_num_buckets: 64", "total_num_buckets: 2"))
     with pytest.raises(ValueError, match=r"KV-ZCH table 'user': total_num_buckets \(2\) is smaller than the world size \(4\)"):
         check_args(parse_args(["--config", str(few), "--nproc", "4"]), 4)
+    cached = tmp_path / "cached.yaml"
+    cached.write_text(Path(QUICKSTART).read_text().replace("    init_range: [-0.05, 0.05]\n",
+                                                           "    init_range: [-0.05, 0.05]\n    device_cache: {load_factor: 0.2}\n"))
+    with pytest.raises(SystemExit, match="table.s. user, item set device_cache.*use --device cuda .* or drop device_cache"):
+        check_args(parse_args(["--config", str(cached), "--device", "cpu"]), 2)
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2])

@@ -96,6 +96,11 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.crash_drill is not None:
         parse_crash_drill(args.crash_drill)
     args.device = job_device(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    cached = [t.name for t in config.kvzch_tables if t.device_cache.enabled]
+    if cached and args.device == "cpu":
+        raise SystemExit(f"{args.config}: KV-ZCH table(s) {', '.join(cached)} set device_cache, a GPU cache over rows "
+                         "in host memory, and this run is on the CPU, whose rows are in host memory already; use "
+                         "--device cuda (a GPU per process) or drop device_cache")
 
 
 def job_device(device: str, local_ranks: int) -> str:

@@ -52,10 +52,15 @@ def estimated_split(layout: RowLayout, rows: int, cache_rows: int) -> tuple[int,
     return estimated_bytes(layout, rows) - host + cache, host
 
 
+def refusal(table: str, where: str) -> ValueError:
+    """The error for a device cache asked of a store whose rows are in host memory already."""
+    return ValueError(f"KV-ZCH table '{table}': a device cache serves a CUDA store (rows in host memory, hot "
+                      f"ones in GPU memory); on {where} the rows are in host memory already: drop device_cache")
+
+
 def default_ops(device: torch.device, table: str):
     if device.type != "cuda":
-        raise ValueError(f"KV-ZCH table '{table}': a device cache serves a CUDA store (rows in host memory, hot "
-                         f"ones in GPU memory); on {device} the rows are in host memory already: drop device_cache")
+        raise refusal(table, str(device))
     return FbgemmCacheOps()
 
 

@@ -14,6 +14,7 @@ import dataclasses
 from torchrec.modules.embedding_configs import DataType
 
 from torchrec_kvzch.params import DeviceCache, KVZCHTableParams
+from torchrec_kvzch.table.row_cache import refusal
 from torchrec_kvzch.torchrec.declarations import notice
 
 _PRECISIONS = {DataType.FP32: "fp32", DataType.FP16: "fp16"}
@@ -21,7 +22,8 @@ _PRECISIONS = {DataType.FP32: "fp32", DataType.FP16: "fp16"}
 
 def with_device_cache(params: KVZCHTableParams, fused_params: dict | None, cache_params=None,
                       key_value_params=None, cuda: bool = True) -> KVZCHTableParams:
-    """A table shard's parameters on a ``cuda`` rank (else ``params``, with notices): TorchRec's
+    """A table shard's parameters on a ``cuda`` rank (else ``params``, with notices; its own
+    ``DeviceCache`` is refused on CPU ranks): TorchRec's
     ``CacheParams`` (``load_factor``, ``algorithm``, ``prefetch_pipeline``; else the same fused
     params) and ``KeyValueParams.max_l1_cache_size`` (MB, a cap) become its ``DeviceCache`` unless
     it has one of its own; the load factor is of the rows the shard expects, the cap per table
@@ -32,6 +34,8 @@ def with_device_cache(params: KVZCHTableParams, fused_params: dict | None, cache
 
     _notice_unused(params, cache_params)
     if not cuda:
+        if params.device_cache.enabled:  # (refused when planning, before any shard is made)
+            raise refusal(params.name, "CPU ranks")
         if cache_params is not None:
             notice(params.name, "CacheParams", "CacheParams size the GPU cache over host rows of a KV-ZCH table on "
                    "CUDA ranks (DeviceCache); on CPU ranks the rows are in host memory and they have no use")

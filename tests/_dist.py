@@ -155,7 +155,7 @@ class RankPool:
 
 class RankPools:
     """``RankPool``s by world size (``pools[w].run(fn, *args)``), each started on first use and
-    started afresh where the last one died or was closed (a failed call that timed out)."""
+    started afresh where the last one died or a call on it failed."""
 
     def __init__(self, timeout: float = 600.0) -> None:
         self.timeout, self._pools = timeout, {}

@@ -219,6 +219,8 @@ def main() -> int:
         for name in ("gpu_host.json", "gpu_host_profile.txt"):
             if (run / name).exists():
                 shutil.copyfile(run / name, DOCS / name)
+            else:  # (an older run's profile would not match these figures)
+                (DOCS / name).unlink(missing_ok=True)
         record = run_record(run, bench_file="gpu_host.json")
         (DOCS / "gpu_host_run.json").write_text(json.dumps(record, indent=1) + "\n")
         _rewrite(HOST_MARKERS, host_table(record, json.loads((run / "gpu_host.json").read_text())))

@@ -3,10 +3,15 @@ operation sequence. Without a GPU, Triton's interpreter runs the kernels on the 
 
 import contextlib
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from torchrec_kvzch.table import id_map, layout, native
 from torchrec_kvzch.table.hashing import BUCKET, MAX_LOAD, MIN_CAPACITY, home
@@ -410,3 +415,67 @@ def test_the_gpu_header_touch_is_the_twins(seed, rows, n, clock):
     layout.touch_meta(want, slots, clock, native=False)
     gpu.touch(got, slots.to(got.device), clock)
     assert torch.equal(got.cpu(), want) and not bool(gpu._counts.any())
+
+
+
+# Each GPU kernel's arguments: a type for Triton's compiler, or a compile-time value.
+_I64, _PTR64, _PTR32 = "i64", "*i64", "*i32"
+_GEOMETRY = dict(fib=_I64, shift=_I64, first=_I64, wrap=_I64, EMPTY=-1)
+KERNELS = {
+    "_probe_kernel": dict(table=_PTR64, ids=_PTR64, pos_out=_PTR64, slot_out=_PTR64, stats=_PTR64, n=_I64,
+                          lo=_I64, hi=_I64, **_GEOMETRY, BLOCK=512),
+    "_place_kernel": dict(table=_PTR64, ids=_PTR64, slots=_PTR64, n=_I64, **_GEOMETRY, NEVER=-3, BLOCK=512),
+    "_count_kernel": dict(slots=_PTR64, counts=_PTR32, leads=_PTR32, n=_I64, NO_SLOT=1 << 53, LOG=9, BLOCK=512),
+    "_header_kernel": dict(meta=_PTR64, slots=_PTR64, counts=_PTR32, leads=_PTR32, n=_I64, clock=_I64,
+                           COUNT_MAX=2**31 - 1, USED=-(1 << 63), BLOCK=512),
+}
+COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torchrec_kvzch.table import gpu_kernels
+
+for name, args in json.loads(sys.argv[1]).items():
+    fn = getattr(gpu_kernels, name)
+    assert list(args) == fn.arg_names, (name, fn.arg_names)
+    signature = {k: v if isinstance(v, str) else "constexpr" for k, v in args.items()}
+    constants = {(fn.arg_names.index(k),): v for k, v in args.items() if not isinstance(v, str)}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm["cubin"], name
+"""
+
+
+@pytest.mark.skipif("triton" not in BACKENDS or not (Path(importlib.util.find_spec("triton").origin).parent
+                                                     / "backends" / "nvidia").is_dir(),
+                    reason="needs Triton with its NVIDIA backend")
+def test_the_gpu_kernels_compile_for_an_h100_without_a_gpu(tmp_path):
+    """Triton's own compiler (ptxas included) builds every GPU kernel for sm_90 on a machine with
+    no GPU: what the interpreter runs above is also what a GPU run gets, without device time."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(KERNELS)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs Triton")
+@settings(max_examples=15)  # (Triton's interpreter sorts slowly)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 3000), n=st.integers(0, 3000))
+def test_the_gpu_count_adds_occurrences_and_elects_one_lane_per_row(seed, rows, n):
+    """The touch's count (runs of a row within a block add at once): every counter grows by its
+    row's occurrences, and exactly one occurrence of each row not counted before leads (writes
+    its header); on a GPU two leaders of one row would race on its header."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, rows, (n,), generator=gen)
+    slots[: n // 2] = slots[: n // 2] % 3  # hot rows, spread over blocks
+    slots = slots[torch.randperm(n, generator=gen)]
+    before = torch.where(torch.rand(rows, generator=gen) < 0.1, 5, 0).int()  # counted already
+    gpu = id_map.TritonBackend(new_map("triton").device)
+    counts = before.clone().to(gpu._counts.device)
+    leads = gpu.kernels.count(slots.to(counts.device), counts).cpu()
+    assert torch.equal(counts.cpu(), before + torch.bincount(slots, minlength=rows).int())
+    assert bool((leads >= 0).all())
+    led = slots[leads == 0]
+    assert led.unique().numel() == led.numel()
+    assert set(led.tolist()) == {s for s in slots.tolist() if before[s] == 0}

@@ -2,7 +2,8 @@
 # The GPU run, in one go (docs/gpu.md): from the checkout's root on a GPU machine, with the kit
 # in .gpu/ (make gpu-kit):   tools/gpu/check.sh OUT
 #   1. the GPU's name, the kit's setup                          -> OUT/gpu.log (everything)
-#   2. the CUDA kernel tests (stops here if they fail), the rest -> OUT/kernel.xml, OUT/cuda.xml
+#   2. the CUDA kernel tests, the id map's GPU kernels against their twins (stops here if they
+#      fail), the rest                                            -> OUT/kernel.xml, OUT/cuda.xml
 #      serving on CUDA: tables, a model following deltas, export, the HTTP server -> OUT/serving.xml
 #      and its lookups against TorchRec's quantized EBC -> OUT/gpu_serving.json, OUT/gpu_serving.png
 #   3. benchmarks/bench_gpu.py against fbgemm's CUDA TBE     -> OUT/gpu.json, OUT/gpu.png, gpu_profile.txt
@@ -77,7 +78,8 @@ if [ "$dev" = cuda ]; then
 fi
 
 pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts=-ra)
-stage kernel "kernel tests" 150 "${pytest[@]}" tests/test_cuda.py -k kernel --junitxml="$out/kernel.xml" || finish
+stage kernel "kernel tests" 150 "${pytest[@]}" tests/test_cuda.py tests/test_id_map.py -k "kernel or gpu" \
+  --junitxml="$out/kernel.xml" || finish
 stage cuda "CUDA tests" 200 "${pytest[@]}" tests/test_cuda.py -k "not kernel and not serving" --junitxml="$out/cuda.xml"
 stage serving "serving tests" 150 "${pytest[@]}" tests/test_cuda.py -k serving --junitxml="$out/serving.xml"
 stage serving "serving benchmark" 90 "$py" benchmarks/bench_serving.py --device "$dev" --lookups-only "${serve[@]}" \

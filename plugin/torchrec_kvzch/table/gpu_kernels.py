@@ -8,8 +8,10 @@ id's probe to its end in its own lane: a lookup is one launch and one sync (its 
 New ids are placed by a second kernel that claims free entries with compare-and-swap, so ids
 racing for one entry each end up in their own; which entry an id lands in may differ from the
 twin's, its slot may not (slots are assigned before, by the caller). The touch counts a row's
-occurrences in a scratch counter per slot, and the first occurrence then writes the header
-once, so a hot id does not serialise thousands of updates of one word, and no sort is needed.
+occurrences in a scratch counter per slot, and one lane per row then writes the header once.
+Each block of the count sorts its slots first and adds a run of equal ones in one atomic: under
+skewed ids (Zipf: a hot id is several percent of a batch) one atomic per occurrence would queue
+a hundred thousand adds on one word, where this queues one per block.
 
 This module needs Triton (a dependency of torch's CUDA builds); it is imported only where these
 kernels are picked. Without a GPU, Triton's interpreter runs them on the CPU
@@ -29,7 +31,9 @@ from torchrec_kvzch.table.hashing import BUCKET, EMPTY, FIBONACCI
 from torchrec_kvzch.table.layout import COUNT_MAX, TS_MASK
 
 BLOCK = 512
+_LOG_BLOCK = BLOCK.bit_length() - 1
 _NEVER = -3  # an id no entry holds: the compare-and-swap of a lane with nothing to claim
+_NO_SLOT = 1 << 53  # the count's dead lanes: sorts past every slot, and still fits next to a lane
 
 
 def check_device(device: torch.device) -> None:
@@ -71,11 +75,20 @@ def touch(meta: torch.Tensor, slots: torch.Tensor, clock: int, counts: torch.Ten
     (left zero again)."""
     n = slots.numel()
     if n:
-        first = torch.empty(n, dtype=torch.int32, device=slots.device)
-        grid = (_blocks(n),)
-        _count_kernel[grid](slots, counts, first, n, BLOCK=BLOCK)
-        _header_kernel[grid](meta, slots, counts, first, n, clock & TS_MASK, COUNT_MAX=COUNT_MAX,
-                             USED=-(1 << 63), BLOCK=BLOCK)
+        leads = count(slots, counts)
+        _header_kernel[(_blocks(n),)](meta, slots, counts, leads, n, clock & TS_MASK, COUNT_MAX=COUNT_MAX,
+                                      USED=-(1 << 63), BLOCK=BLOCK)
+
+
+def count(slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Add each slot's occurrences in ``slots`` (int64, contiguous) to ``counts[slot]``; returns,
+    per position, 0 at exactly one occurrence of each slot whose counter was 0 before (the lane
+    that writes its header), else a positive number."""
+    n = slots.numel()
+    leads = torch.empty(n, dtype=torch.int32, device=slots.device)
+    if n:
+        _count_kernel[(_blocks(n),)](slots, counts, leads, n, NO_SLOT=_NO_SLOT, LOG=_LOG_BLOCK, BLOCK=BLOCK)
+    return leads
 
 
 def _blocks(n: int) -> int:
@@ -128,23 +141,34 @@ def _place_kernel(table, ids, slots, n, fib, shift, first, wrap,
 
 
 @triton.jit
-def _count_kernel(slots, counts, first, n, BLOCK: tl.constexpr):
-    off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = off < n
-    slot = tl.load(slots + off, mask=live, other=0)
-    seen = tl.atomic_add(counts + slot, 1, mask=live)  # 0 for the row's first occurrence
-    tl.store(first + off, seen, mask=live)
+def _max(a, b):
+    return tl.maximum(a, b)
 
 
 @triton.jit
-def _header_kernel(meta, slots, counts, first, n, clock, COUNT_MAX: tl.constexpr, USED: tl.constexpr,
+def _count_kernel(slots, counts, leads, n, NO_SLOT: tl.constexpr, LOG: tl.constexpr, BLOCK: tl.constexpr):
+    lane = tl.arange(0, BLOCK)
+    base = tl.program_id(0).to(tl.int64) * BLOCK
+    slot = tl.load(slots + base + lane, mask=base + lane < n, other=NO_SLOT)
+    key = tl.sort((slot << LOG) | lane.to(tl.int64))  # the block's slots in order, each with its lane
+    slot, lane_of = key >> LOG, key & (BLOCK - 1)
+    head = (lane == 0) | (slot != tl.gather(slot, tl.maximum(lane - 1, 0), 0))
+    tail = (lane == BLOCK - 1) | (slot != tl.gather(slot, tl.minimum(lane + 1, BLOCK - 1), 0))
+    run = lane - tl.associative_scan(tl.where(head, lane, 0), 0, _max) + 1  # at a tail: its run's length
+    live = slot != NO_SLOT
+    seen = tl.atomic_add(counts + slot, run, mask=tail & live, sem="relaxed")  # 0 for the first run of the row
+    tl.store(leads + base + lane_of, tl.where(tail, seen, 1), mask=live)  # (the first run's tail leads)
+
+
+@triton.jit
+def _header_kernel(meta, slots, counts, leads, n, clock, COUNT_MAX: tl.constexpr, USED: tl.constexpr,
                    BLOCK: tl.constexpr):
     off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    lead = (off < n) & (tl.load(first + off, mask=off < n, other=1) == 0)  # one lane per row
+    lead = (off < n) & (tl.load(leads + off, mask=off < n, other=1) == 0)  # one lane per row
     slot = tl.load(slots + off, mask=lead, other=0)
     hits = tl.load(counts + slot, mask=lead, other=0).to(tl.int64)
     old = tl.load(meta + slot, mask=lead, other=0)
-    count = tl.minimum(((old >> 32) & COUNT_MAX) + hits, COUNT_MAX)
+    total = tl.minimum(((old >> 32) & COUNT_MAX) + hits, COUNT_MAX)
     used = old & USED
-    tl.store(meta + slot, used | (count << 32) | clock, mask=lead)
+    tl.store(meta + slot, used | (total << 32) | clock, mask=lead)
     tl.store(counts + slot, tl.zeros_like(hits).to(tl.int32), mask=lead)

@@ -11,15 +11,17 @@
 #      processes, predictions compared                          -> OUT/job.json
 #   5. bench_gpu.py --dmp under torchrun                         -> OUT/gpu_dmp.json
 #   6. TorchRec's pipelines against a plain loop                 -> OUT/pipelines.xml
-#   7. (key host, asked for by name) bench_gpu.py --host-cache: a table in host memory under a
+#   7. (key touch, by name) tools/gpu/touch_ab.py: the header touch's count, sorted runs against
+#      one atomic per occurrence (a one-off, issue 34)          -> OUT/gpu_touch.json
+#   8. (key host, asked for by name) bench_gpu.py --host-cache: a table in host memory under a
 #      GPU cache against fbgemm's TBE with the table in GPU memory -> OUT/gpu_host.json, gpu_host_profile.txt
-#   8. (key larger, by name) bench_gpu.py --larger-than-gpu: a table larger than the GPU memory
+#   9. (key larger, by name) bench_gpu.py --larger-than-gpu: a table larger than the GPU memory
 #      left to it trains (on the H200 machine, whose host memory is the smaller, it holds part of
 #      the GPU back first)                                       -> OUT/gpu_larger.json
 # Each stage has a time budget, all together KVZCH_CHECK_BUDGET_S (default 500 s, so that a
 # rerun fits a 15-minute lease); a stage that would start past it is skipped and said so.
 # KVZCH_CHECK_STAGES picks stages by key (default all: kernel cuda serving bench job dmp
-# pipelines; host and larger only by name), e.g. "kernel serving" for a session that only has serving to check.
+# pipelines; touch, host and larger only by name), e.g. "kernel serving" for a session that only has serving to check.
 # KVZCH_CHECK_REHEARSE=1 runs it all on the CPU (small tables, gloo for NCCL) to check this
 # script before GPU minutes are spent on it; that checks the plumbing, not CUDA.
 set -uo pipefail
@@ -38,10 +40,11 @@ if [ "${KVZCH_CHECK_REHEARSE:-0}" = 1 ]; then
   bench=(--device cpu --rows 20000 40000 --batches 2048 512 --steps 5 --warmup 1)
   dmp=(--device cpu --batch 4096 --steps 5)
   serve=(--rows 100000 --steps 30 --reps 100)
+  touch=(--device cpu --rows 5000 --batch 3000 --reps 1)
 else
   dev=cuda; py=python3
   export KVZCH_REQUIRE_CUDA=1
-  bench=(); dmp=(); serve=()
+  bench=(); dmp=(); serve=(); touch=()
 fi
 
 stages=" ${KVZCH_CHECK_STAGES:-kernel cuda serving bench job dmp pipelines} "
@@ -104,6 +107,7 @@ stage dmp "DMP benchmark" 90 "$py" -m torch.distributed.run --standalone --nproc
   --json "$out/gpu_dmp.json"
 stage pipelines "pipelines" 150 "${pytest[@]}" tests/test_pipelines.py -k "cuda or semi_sync_pipeline or prefetch_pipeline" \
   --junitxml="$out/pipelines.xml"
+stage touch "touch A/B" 90 "$py" tools/gpu/touch_ab.py "${touch[@]}" --json "$out/gpu_touch.json"
 # (the long runs last, after every test)
 [ "$dev" = cuda ] && stage host "host-cache benchmark" 170 "$py" benchmarks/bench_gpu.py --host-cache --steps 40 \
   --warmup 10 --json "$out/gpu_host.json" --profile "$out/gpu_host_profile.txt"

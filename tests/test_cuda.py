@@ -240,7 +240,6 @@ def test_the_id_map_kernels_agree_with_the_torch_twin_at_scale():
     assert torch.equal(gpu.find(probe.to(CUDA)).cpu(), twin.find(probe))
 
 
-
 def test_the_touch_kernels_count_hot_rows_as_the_twin_at_scale():
     """Batches of a million skewed occurrences (a quarter of them on one row) over 100,000 rows,
     touched by thousands of blocks at once: headers as the twin's, bit for bit, and the scratch
@@ -252,13 +251,14 @@ def test_the_touch_kernels_count_hot_rows_as_the_twin_at_scale():
     gen = torch.Generator().manual_seed(9)
     meta = layout.make_meta(torch.randint(0, 2**32, (rows,), generator=gen),
                             torch.randint(0, 1000, (rows,), generator=gen))
-    gpu, got = TritonBackend(CUDA), meta.to(CUDA)
+    gpu, got = TritonBackend(CUDA), meta.to(CUDA, copy=True)
     for clock in range(1, 4):
         slots = (torch.rand(n, generator=gen).pow(8) * rows).long()  # u^8: row 0 takes rows^(-1/8) of them
         layout.touch_meta(meta, slots, clock, native=False)
         gpu.touch(got, slots.to(CUDA), clock)
         assert torch.equal(got.cpu(), meta)
     assert not bool(gpu._counts.any())
+
 
 # -- DMP ---------------------------------------------------------------------------------------
 def test_dmp_on_a_cuda_rank_matches_torchrec_fused_tables_on_cuda():

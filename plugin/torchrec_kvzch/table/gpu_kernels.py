@@ -11,7 +11,9 @@ twin's, its slot may not (slots are assigned before, by the caller). The touch c
 occurrences in a scratch counter per slot, and one lane per row then writes the header once.
 Each block of the count sorts its slots first and adds a run of equal ones in one atomic: under
 skewed ids (Zipf: a hot id is several percent of a batch) one atomic per occurrence would queue
-a hundred thousand adds on one word, where this queues one per block.
+a hundred thousand adds on one word, where this queues one per block. Every atomic here is
+relaxed: each needs atomicity only (no lane reads, within a kernel, what another lane's atomic
+guards) and the kernel's end orders it before what follows; Triton's default fences each one.
 
 This module needs Triton (a dependency of torch's CUDA builds); it is imported only where these
 kernels are picked. Without a GPU, Triton's interpreter runs them on the CPU
@@ -119,8 +121,8 @@ def _probe_kernel(table, ids, pos_out, slot_out, stats, n, lo, hi, fib, shift, f
     slot = tl.load(table + 2 * found + 1, mask=found >= 0, other=-1)
     tl.store(pos_out + off, found, mask=live)
     tl.store(slot_out + off, slot, mask=live)
-    tl.atomic_min(stats, tl.min(tl.where(bad, off, n), axis=0))
-    tl.atomic_add(stats + 1, tl.sum((live & ~bad & (found < 0)).to(tl.int64), axis=0))
+    tl.atomic_min(stats, tl.min(tl.where(bad, off, n), axis=0), sem="relaxed")
+    tl.atomic_add(stats + 1, tl.sum((live & ~bad & (found < 0)).to(tl.int64), axis=0), sem="relaxed")
 
 @triton.jit
 def _place_kernel(table, ids, slots, n, fib, shift, first, wrap,
@@ -133,7 +135,7 @@ def _place_kernel(table, ids, slots, n, fib, shift, first, wrap,
     while tl.max(active.to(tl.int32), axis=0) > 0:
         key = tl.load(table + 2 * pos, mask=active, other=0)
         free = active & (key < 0)  # EMPTY or TOMB
-        old = tl.atomic_cas(table + 2 * pos, tl.where(free, key, NEVER), x)
+        old = tl.atomic_cas(table + 2 * pos, tl.where(free, key, NEVER), x, sem="relaxed")
         won = free & (old == key)  # else another id claimed it first: go on
         tl.store(table + 2 * pos + 1, slot, mask=won)
         active = active & ~won

@@ -12,8 +12,9 @@ occurrences in a scratch counter per slot, and one lane per row then writes the 
 Each block of the count sorts its slots first and adds a run of equal ones in one atomic: under
 skewed ids (Zipf: a hot id is several percent of a batch) one atomic per occurrence would queue
 a hundred thousand adds on one word, where this queues one per block. Every atomic here is
-relaxed: each needs atomicity only (no lane reads, within a kernel, what another lane's atomic
-guards) and the kernel's end orders it before what follows; Triton's default fences each one.
+relaxed (Triton's default fences each one): a lane decides on its own atomic's result alone (a
+stale plain read costs an insert at most a failed compare-and-swap), and the kernel's end
+orders all of it before whatever follows.
 
 This module needs Triton (a dependency of torch's CUDA builds); it is imported only where these
 kernels are picked. Without a GPU, Triton's interpreter runs them on the CPU

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tools" / "gpu"), str(ROOT / "benchmarks")]
 from bench_gpu import H100_BYTES, HOST_MARGIN, larger_plan  # noqa: E402
 from pack_fbgemm import split  # noqa: E402
-from report import larger_line  # noqa: E402
+from report import larger_line, latest_tests, latest_table, touch_line  # noqa: E402
 
 
 @pytest.mark.parametrize("part_mib", [60, 1])
@@ -88,3 +88,27 @@ def test_the_larger_than_gpu_run_sizes_a_table_larger_than_the_gpu_memory_it_kee
 def test_the_larger_than_gpu_run_refuses_a_host_without_room():
     with pytest.raises(SystemExit, match="80 GB"):
         larger_plan(int(143.7e9), 64 * GIB, 512)
+
+
+def test_a_gpu_runs_tests_renew_their_own_groups_and_name_the_gpu(tmp_path):
+    """report.py: a run's JUnit files replace those groups' latest results (with the GPU its log
+    names), other groups keep theirs; a rehearsal's log names the CPU."""
+    log = ("== GPU check 2026-12-01T00:00:00Z, abc1234\nname, memory.total [MiB], driver_version\n"
+           "NVIDIA H100 80GB HBM3, 81559 MiB, 570.1\n")
+    (tmp_path / "gpu.log").write_text(log)
+    (tmp_path / "kernel.xml").write_text('<testsuites><testsuite tests="41" failures="1" errors="0" skipped="2"/>'
+                                         "</testsuites>")
+    old = {"kernel": {"tests": 34, "failures": 0, "errors": 0, "skipped": 0, "date": "d0", "commit": "c0", "device": "x"},
+           "serving": {"tests": 12, "failures": 0, "errors": 0, "skipped": 0, "date": "d0", "commit": "c0", "device": "x"}}
+    latest = latest_tests(old, tmp_path)
+    assert latest["serving"] == old["serving"]
+    assert latest["kernel"] == {"tests": 41, "failures": 1, "errors": 0, "skipped": 2, "date": "2026-12-01T00:00:00Z",
+                                "commit": "abc1234", "device": "NVIDIA H100 80GB HBM3"}
+    assert "| kernel | 38 of 41 | 1 | 2026-12-01T00:00:00Z, abc1234, NVIDIA H100 80GB HBM3 |" in latest_table(latest)
+    (tmp_path / "gpu.log").write_text("== GPU check 2026-12-01T00:00:00Z, abc1234\n")
+    assert latest_tests({}, tmp_path)["kernel"]["device"] == "the CPU (a rehearsal)"
+    bench = {"device": "NVIDIA H200", "rows": 10, "occurrences": 20, "distinct_uniform": 9, "distinct_zipf": 4,
+             **{f"touch_ms_{n}_{d}": i / 10 for i, (n, d) in enumerate(
+                 (n, d) for n in ("sorted", "relaxed", "fenced") for d in ("uniform", "zipf"))}}
+    line = touch_line(tmp_path, bench)
+    assert "(sorted) 0.000 / 0.100" in line and "0.200 / 0.300" in line and "0.400 / 0.500" in line

@@ -11,8 +11,11 @@ Serving (a run with ``gpu_serving.json``): the same for ``gpu_serving.json`` / `
 Host cache (a run with ``gpu_host.json``, issue 34): the same for it (and its profile,
 ``gpu_host_profile.txt``) and the kernel tests, into ``gpu_host_run.json`` and between the
 ``gpu:host`` markers; a table larger than the GPU (``gpu_larger.json``) between the
-``gpu:larger`` markers. A run of some stages (``KVZCH_CHECK_STAGES``) renews the parts it has,
-and leaves the others.
+``gpu:larger`` markers; the touch's comparison (``gpu_touch.json``) between ``gpu:touch``.
+Tests (a run with JUnit files): each file's counts, with the run's date, commit and GPU, replace
+that file's entry in ``docs/benchmarks/gpu_tests.json``, and the ``gpu:tests`` markers list the
+latest GPU result of every group. A run of some stages (``KVZCH_CHECK_STAGES``) renews the parts
+it has, and leaves the others.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ MARKERS = ("<!-- gpu:table:start -->", "<!-- gpu:table:end -->")
 SERVING_MARKERS = ("<!-- gpu:serving:start -->", "<!-- gpu:serving:end -->")
 HOST_MARKERS = ("<!-- gpu:host:start -->", "<!-- gpu:host:end -->")
 LARGER_MARKERS = ("<!-- gpu:larger:start -->", "<!-- gpu:larger:end -->")
+TOUCH_MARKERS = ("<!-- gpu:touch:start -->", "<!-- gpu:touch:end -->")
+TESTS_MARKERS = ("<!-- gpu:tests:start -->", "<!-- gpu:tests:end -->")
 HOST_TARGET = 0.5  # ratio_host_50_zipf (issue 34)
 SERVING_TESTS = "serving"  # (its JUnit file's stem: the serving part's, not the training part's)
 COPIES = {"gpu.json": "gpu.json", "gpu.png": "gpu.png", "gpu_dmp.json": "gpu_dmp.json", "job.json": "gpu_job.json",
@@ -50,18 +55,64 @@ def tests(run: Path, serving: bool = False) -> dict:
 
 
 def run_record(run: Path, serving: bool = False, bench_file: str = "gpu.json") -> dict:
-    first = (run / "gpu.log").read_text().splitlines()[0]  # "== GPU check <date>, <commit>"
-    date, commit = re.match(r"== GPU check (\S+), (\S+)", first).groups()
+    date, commit = _when(run)
     bench = json.loads((run / ("gpu_serving.json" if serving else bench_file)).read_text())
     return {"date": date, "commit": commit, "device": bench["device"], "tests": tests(run, serving)}
+
+
+def _when(run: Path) -> tuple[str, str]:
+    first = (run / "gpu.log").read_text().splitlines()[0]  # "== GPU check <date>, <commit>"
+    return re.match(r"== GPU check (\S+), (\S+)", first).groups()
+
+
+def gpu_name(log: str) -> str:
+    """The GPU a run's log names (the line under nvidia-smi's CSV header), or the CPU of a rehearsal."""
+    lines = log.splitlines()
+    for header, row in zip(lines, lines[1:]):
+        if header.startswith("name, memory.total"):
+            return row.split(",")[0].strip()
+    return "the CPU (a rehearsal)"
+
+
+def latest_tests(latest: dict, run: Path) -> dict:
+    """``latest`` (JUnit file -> counts and run) with this run's files replacing their entries."""
+    date, commit = _when(run)
+    device = gpu_name((run / "gpu.log").read_text())
+    found = {**tests(run), **tests(run, serving=True)}
+    return {**latest, **{name: {**t, "date": date, "commit": commit, "device": device} for name, t in found.items()}}
+
+
+def latest_table(latest: dict) -> str:
+    lines = ["The latest GPU run of each group of tests (`tools/gpu/check.sh`, `docs/benchmarks/gpu_tests.json`):", "",
+             "| tests | passed | failed | run |", "|---|---|---|---|"]
+    for name, t in sorted(latest.items()):
+        lines.append(f"| {name} | {_counts(t)} | {t['date']}, {t['commit']}, {t['device']} |")
+    return "\n".join(lines)
+
+
+def touch_line(run: Path, bench: dict) -> str:
+    """``tools/gpu/touch_ab.py``'s comparison of the header touch's counts, in one sentence."""
+    date, commit = _when(run)
+    ms = {name: " / ".join(f"{bench[f'touch_ms_{name}_{d}']:.3f}" for d in ("uniform", "zipf"))
+          for name in ("sorted", "relaxed", "fenced")}
+    return (f"One run, {date}, commit {commit}, on one {bench['device']}: the header touch alone of "
+            f"{bench['occurrences']:,} occurrences over {bench['rows']:,} rows, ms uniform / Zipf(1.05) "
+            f"({bench['distinct_uniform']:,} / {bench['distinct_zipf']:,} distinct rows): runs counted once a block "
+            f"(sorted) {ms['sorted']}, one relaxed atomic per occurrence {ms['relaxed']}, one fenced atomic per "
+            f"occurrence (the count before 38e3595) {ms['fenced']} (`tools/gpu/touch_ab.py`, "
+            "`docs/benchmarks/gpu_touch.json`).")
 
 
 def test_rows(record: dict) -> list[str]:
     lines = ["| tests | passed | failed |", "|---|---|---|"]
     for name, t in record["tests"].items():
-        lines.append(f"| {name} | {t['tests'] - t['failures'] - t['errors'] - t['skipped']} of {t['tests']} "
-                     f"| {t['failures'] + t['errors']} |")
+        lines.append(f"| {name} | {_counts(t)} |")
     return lines
+
+
+def _counts(t: dict) -> str:
+    """A JUnit file's counts as table cells: passed of all, failed."""
+    return f"{t['tests'] - t['failures'] - t['errors'] - t['skipped']} of {t['tests']} | {t['failures'] + t['errors']}"
 
 
 def table(record: dict, bench: dict, dmp: dict, job: dict) -> str:
@@ -215,6 +266,14 @@ def main() -> int:
         shutil.copyfile(run / "gpu_larger.json", DOCS / "gpu_larger.json")
         record = run_record(run, bench_file="gpu_larger.json")
         _rewrite(LARGER_MARKERS, larger_line(record, json.loads((run / "gpu_larger.json").read_text())))
+    if (run / "gpu_touch.json").exists():
+        shutil.copyfile(run / "gpu_touch.json", DOCS / "gpu_touch.json")
+        _rewrite(TOUCH_MARKERS, touch_line(run, json.loads((run / "gpu_touch.json").read_text())))
+    if any(run.glob("*.xml")):
+        record = DOCS / "gpu_tests.json"
+        latest = latest_tests(json.loads(record.read_text()) if record.exists() else {}, run)
+        record.write_text(json.dumps(latest, indent=1) + "\n")
+        _rewrite(TESTS_MARKERS, latest_table(latest))
     if (run / "gpu_host.json").exists():
         for name in ("gpu_host.json", "gpu_host_profile.txt"):
             if (run / name).exists():

@@ -15,7 +15,7 @@ Host cache (a run with ``gpu_host.json``, issue 34): the same for it (and its pr
 Tests (a run with JUnit files): each file's counts, with the run's date, commit and GPU, replace
 that file's entry in ``docs/benchmarks/gpu_tests.json``, and the ``gpu:tests`` markers list the
 latest GPU result of every group. A run of some stages (``KVZCH_CHECK_STAGES``) renews the parts
-it has, and leaves the others.
+it has, and leaves the others; a rehearsal's (``KVZCH_CHECK_REHEARSE=1``) is refused.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ HOST_MARKERS = ("<!-- gpu:host:start -->", "<!-- gpu:host:end -->")
 LARGER_MARKERS = ("<!-- gpu:larger:start -->", "<!-- gpu:larger:end -->")
 TOUCH_MARKERS = ("<!-- gpu:touch:start -->", "<!-- gpu:touch:end -->")
 TESTS_MARKERS = ("<!-- gpu:tests:start -->", "<!-- gpu:tests:end -->")
+REHEARSAL = "the CPU (a rehearsal)"
 HOST_TARGET = 0.5  # ratio_host_50_zipf (issue 34)
 SERVING_TESTS = "serving"  # (its JUnit file's stem: the serving part's, not the training part's)
 COPIES = {"gpu.json": "gpu.json", "gpu.png": "gpu.png", "gpu_dmp.json": "gpu_dmp.json", "job.json": "gpu_job.json",
@@ -71,7 +72,7 @@ def gpu_name(log: str) -> str:
     for header, row in zip(lines, lines[1:]):
         if header.startswith("name, memory.total"):
             return row.split(",")[0].strip()
-    return "the CPU (a rehearsal)"
+    return REHEARSAL
 
 
 def latest_tests(latest: dict, run: Path) -> dict:
@@ -244,6 +245,9 @@ def _rewrite(markers: tuple[str, str], text: str) -> None:
 
 def main() -> int:
     run = Path(sys.argv[1])
+    if gpu_name((run / "gpu.log").read_text()) == REHEARSAL:
+        print(f"{run}: a rehearsal on the CPU (KVZCH_CHECK_REHEARSE=1); its figures are not a GPU's, nothing recorded")
+        return 1
     DOCS.mkdir(parents=True, exist_ok=True)
     if (run / "gpu.json").exists():
         for source, target in COPIES.items():

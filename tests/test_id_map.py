@@ -341,6 +341,11 @@ def test_bounds_are_checked_before_any_change(backend, first):
     assert m.find(torch.tensor([11, 19]), bounds=(10, 20)).tolist() == [1, -1]
     with pytest.raises(IdOutOfRange):
         m.find(torch.tensor([20]), bounds=(10, 20))
+    many = torch.full((2000,), 11)  # (GPU kernels: blocks of 512, the first bad id in a later block)
+    many[[1500, 1900]] = torch.tensor([21, 5])
+    with pytest.raises(IdOutOfRange) as caught:
+        m.find(many, bounds=(10, 20))
+    assert caught.value.id == 21
 
 
 def test_memory_tracks_live_keys():

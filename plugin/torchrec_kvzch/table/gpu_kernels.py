@@ -58,12 +58,11 @@ def probe(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> tuple[tor
     number of ids inside absent from the table)."""
     n = ids.numel()
     pos, slots = torch.empty_like(ids), torch.empty_like(ids)
-    stats = ids.new_full((2,), n)  # first bad index, misses (filled on the device: no copy, no sync)
-    stats[1:].zero_()
+    stats = ids.new_zeros(2)  # n less the first bad index (0: none), misses (one launch, no copy, no sync)
     if n:
         _probe_kernel[(_blocks(n),)](table, ids, pos, slots, stats, n, lo, hi, **_geometry(table))
-    bad, misses = stats.tolist()
-    return pos, slots, (bad if bad < n else -1), misses
+    before_bad, misses = stats.tolist()
+    return pos, slots, (n - before_bad if before_bad else -1), misses
 
 
 def place(table: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor) -> None:
@@ -123,7 +122,7 @@ def _probe_kernel(table, ids, pos_out, slot_out, stats, n, lo, hi, fib, shift, f
     slot = tl.load(table + 2 * found + 1, mask=found >= 0, other=-1)
     tl.store(pos_out + off, found, mask=live)
     tl.store(slot_out + off, slot, mask=live)
-    tl.atomic_min(stats, tl.min(tl.where(bad, off, n), axis=0), sem="relaxed")
+    tl.atomic_max(stats, tl.max(tl.where(bad, n - off, 0), axis=0), sem="relaxed")
     tl.atomic_add(stats + 1, tl.sum((live & ~bad & (found < 0)).to(tl.int64), axis=0), sem="relaxed")
 
 @triton.jit

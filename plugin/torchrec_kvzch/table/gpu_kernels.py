@@ -61,8 +61,8 @@ def probe(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> tuple[tor
     stats = ids.new_zeros(2)  # n less the first bad index (0: none), misses (one launch, no copy, no sync)
     if n:
         _probe_kernel[(_blocks(n),)](table, ids, pos, slots, stats, n, lo, hi, **_geometry(table))
-    before_bad, misses = stats.tolist()
-    return pos, slots, (n - before_bad if before_bad else -1), misses
+    bad_from_end, misses = stats.tolist()
+    return pos, slots, (n - bad_from_end if bad_from_end else -1), misses
 
 
 def place(table: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor) -> None:

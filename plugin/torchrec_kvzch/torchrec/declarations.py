@@ -50,7 +50,7 @@ VIRTUAL_KERNELS = tuple(EmbeddingComputeKernel[name].value
                         for name in ("DRAM_VIRTUAL_TABLE", "SSD_VIRTUAL_TABLE", "DRAM_SSD_VIRTUAL_TABLE")
                         if name in EmbeddingComputeKernel.__members__)
 
-_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16"}
+DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16"}  # TorchRec data type -> weight_dtype
 # TorchRec's init range for virtual tables that do not set one (its SSD/DRAM TBE's default).
 _DEFAULT_INIT = {"fp32": math.sqrt(1 / 4_000_000_000), "fp16": 0.001}
 
@@ -119,7 +119,7 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
         fail("a KV-ZCH table must be declared with use_virtual_table=True and total_num_buckets "
              "(TorchRec splits its rows at bucket boundaries)",
              "set both in its EmbeddingBagConfig / EmbeddingConfig")
-    if config.data_type not in _DTYPES:
+    if config.data_type not in DTYPES:
         fail(f"data_type {config.data_type} is not supported", "use DataType.FP32 or DataType.FP16")
     for flag, why in (("stash_weights", "stashing weights"), ("need_pos", "position-weighted features")):
         if getattr(config, flag, False):
@@ -136,7 +136,7 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
     check_key_value_params(name, key_value_params, honoured={"ssd_storage_directory"} if storage.enabled else set())
     eviction = eviction_policy(name, config.virtual_table_eviction_policy, key_value_params)
     optimizer = _optimizer_fields(name, fused_params or {})
-    dtype = _DTYPES[config.data_type]
+    dtype = DTYPES[config.data_type]
     if explicit is not None:
         return _merge(config, explicit, dtype, eviction, optimizer, fail)
     if "eviction" in extras and eviction.enabled:

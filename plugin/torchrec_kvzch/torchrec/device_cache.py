@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchrec.modules.embedding_configs import DataType
-
 from torchrec_kvzch.params import DeviceCache, KVZCHTableParams
 from torchrec_kvzch.table.row_cache import refusal
-from torchrec_kvzch.torchrec.declarations import notice
-
-_PRECISIONS = {DataType.FP32: "fp32", DataType.FP16: "fp16"}
+from torchrec_kvzch.torchrec.declarations import DTYPES, notice
 
 
 def with_device_cache(params: KVZCHTableParams, fused_params: dict | None, cache_params=None,
@@ -57,7 +53,7 @@ def with_device_cache(params: KVZCHTableParams, fused_params: dict | None, cache
 def _notice_unused(params: KVZCHTableParams, cache_params) -> None:
     """Log the ``CacheParams`` fields a KV-ZCH table's cache does not take."""
     precision = getattr(cache_params, "precision", None)
-    if precision is not None and _PRECISIONS.get(precision) != params.weight_dtype:
+    if precision is not None and DTYPES.get(precision) != params.weight_dtype:
         notice(params.name, "CacheParams.precision",
                f"CacheParams.precision {getattr(precision, 'name', precision)} is not used: a GPU cache over a "
                f"KV-ZCH table's host rows keeps their precision ({params.weight_dtype}), as upstream's virtual "

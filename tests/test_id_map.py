@@ -170,6 +170,30 @@ def test_a_batch_near_the_load_limit_is_looked_up_once(backend, monkeypatch):
     assert torch.equal(m.find(m.keys()).cpu(), torch.arange(690))
 
 
+@pytest.mark.skipif(not native_status(), reason="native op not built")
+def test_the_native_insert_takes_the_lookup_it_is_handed_over_probing_again():
+    """The lookup handed over is the one used: a slot doctored in it comes back as it is (a
+    second probe would have put the true one back); a count of absent ids that does not match
+    it is refused before anything changes."""
+    m = IdMap("native")
+    m.find_or_insert(torch.arange(600))
+    batch = torch.tensor([5, 9000, 7, 9000, 9001])
+    slots, _, absent = m.backend.lookup(m.table, batch, *id_map.ANY_ID)
+    assert absent == 3
+    slots[0] = 42  # (not id 5's slot)
+    m._grow_slot_keys(len(m) + batch.numel())
+    table = m.table.clone()
+    for wrong in (2, 4):
+        with pytest.raises(RuntimeError, match=f"has 3 absent ids, not the {wrong} counted"):
+            torch.ops.kvzch.find_or_insert(m.table, m.slot_keys, batch, *id_map.ANY_ID, len(m), False,
+                                           slots.clone(), wrong)
+        assert torch.equal(m.table, table)
+    out, bad, size = torch.ops.kvzch.find_or_insert(m.table, m.slot_keys, batch, *id_map.ANY_ID, len(m), False,
+                                                    slots, absent)
+    assert out.data_ptr() == slots.data_ptr()  # (written in place)
+    assert bad == -1 and size == 602 and out.tolist() == [42, 600, 7, 600, 601]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tombstones_are_reclaimed(backend):
     """Insert/erase churn at constant size must not grow the table without bound."""
@@ -278,7 +302,7 @@ def test_native_lookup_parks_long_probes_and_finds_what_the_twin_finds(threads, 
     assert bad == -1 and misses == int((~found).sum())
 
 
-@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("first", [False, True, "looked"])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @given(seed=st.integers(0, 2**31), load=st.floats(0.5, 0.95), tombs=st.floats(0.0, 0.3))
 def test_native_inserts_on_crowded_tables_keep_first_appearance_order(first, threads, seed, load,
@@ -286,7 +310,8 @@ def test_native_inserts_on_crowded_tables_keep_first_appearance_order(first, thr
     """Parked probes of an insert resume in turn, so a repeat never claims an entry before the
     first appearance of its id: on tables crowded by hand (long probe runs, tombstones, wrap
     around the end), with batches of 20,000 present and new ids, each many times, the native op
-    gives every id the slot the twin gives it, and leaves a table where the twin finds them all."""
+    gives every id the slot the twin gives it, and leaves a table where the twin finds them all;
+    whether it looks the batch up itself first or not, or is handed the caller's lookup."""
     capacity = 4096
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 2**62, (int(load * capacity),), generator=gen).unique()
@@ -305,9 +330,10 @@ def test_native_inserts_on_crowded_tables_keep_first_appearance_order(first, thr
     keys = torch.full((size + batch.numel(),), -1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    looked = TorchBackend().lookup(table, batch, 0, 2**62) if first == "looked" else (None, -1, 0)
     try:
         slots, bad, new_size = torch.ops.kvzch.find_or_insert(table, keys, batch, 0, 2**62, size,
-                                                              first)
+                                                              first is True, looked[0], looked[2])
     finally:
         torch.set_num_threads(before)
     assert bad == -1 and new_size == want_size and torch.equal(slots, want)

@@ -199,7 +199,7 @@ class NativeBackend:
         return torch.ops.kvzch.lookup(table, ids, lo, hi)
 
     def find_or_insert(self, table, slot_keys, ids, lo, hi, size, lookup_first, looked=None):
-        return torch.ops.kvzch.find_or_insert(table, slot_keys, ids, lo, hi, size, lookup_first)
+        return torch.ops.kvzch.find_or_insert(table, slot_keys, ids, lo, hi, size, lookup_first, *(looked or (None, 0)))
 
     def touch(self, meta, slots, clock) -> None:
         touch_meta(meta, slots, clock, native=True)

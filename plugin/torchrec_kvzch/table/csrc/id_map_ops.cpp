@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -124,7 +125,9 @@ std::tuple<at::Tensor, int64_t, int64_t> lookup(const at::Tensor& table, const a
 // resolves the ids already present, so that a batch with few new ids (most batches, once
 // training is warm) costs little more than a lookup; the caller asks for it unless the last batch
 // had many new ids, whose probes it would walk twice (A/B at LOOKUP_FIRST_BELOW in id_map.py).
-// Then the ids left (all of them without `lookup_first`, after a bounds pass; a bad batch
+// A caller that has looked the batch up already (its bounds checked) hands that lookup over
+// instead, `looked` (slots, -1 where absent; written in place) and its `absent` count, and no id
+// is probed twice. Then the ids left (all of them without `lookup_first`, after a bounds pass; a bad batch
 // changes nothing) go through the insert pass: the table is cut into one contiguous region per
 // thread; a thread walks (walk_probes) the ids whose bucket lies in its region, in batch order,
 // so it owns every entry it writes and meets each new id first at its first appearance. A new id
@@ -152,13 +155,14 @@ inline void claim_at(Entry* t, int64_t id, int64_t i, int64_t e, int64_t* o) {
   }
 }
 
-// Writes the indices i of the ids a lookup left absent (o[i] < 0) to `absent`, in batch order.
+// Writes the indices i of the ids a lookup left absent (o[i] < 0) to `absent`, in batch order;
+// refuses a lookup whose absent ids are not `m` (a caller's count that does not match it).
 // In parallel: each share of the batch counts its absent ids and finds its last one, and a prefix
 // over the counts tells each where its list starts (serially, this took 0.4 ms of a 163,840-id
 // batch at 10M keys). The lists are written without branches, which would mispredict: every
 // index is stored, and only an absent one advances the cursor, so a share stops at its last
 // absent id and never writes into the next share's list.
-void list_absent(const int64_t* o, int64_t n, int64_t* absent) {
+void list_absent(const int64_t* o, int64_t n, int64_t m, int64_t* absent) {
   const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 4096));
   const int64_t per = (n + shares - 1) / shares;
   std::vector<int64_t> counts(shares + 1, 0), last(shares, -1);
@@ -174,6 +178,8 @@ void list_absent(const int64_t* o, int64_t n, int64_t* absent) {
     }
   });
   for (int64_t s = 0; s < shares; ++s) counts[s + 1] += counts[s];
+  TORCH_CHECK(counts[shares] == m, "kvzch id map: the lookup handed over has ", counts[shares],
+              " absent ids, not the ", m, " counted");
   at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       int64_t* mine = absent + counts[s];
@@ -189,7 +195,9 @@ void list_absent(const int64_t* o, int64_t n, int64_t* absent) {
 std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Tensor slot_keys,
                                                         const at::Tensor& ids, int64_t lo,
                                                         int64_t hi, int64_t size,
-                                                        bool lookup_first) {
+                                                        bool lookup_first,
+                                                        const std::optional<at::Tensor>& looked,
+                                                        int64_t absent_count) {
   check_ids(ids);
   auto [t, mask] = entries(table);
   TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous(),
@@ -199,7 +207,15 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
   const int64_t* q = ids.data_ptr<int64_t>();
   at::Tensor out;
   int64_t m = n;  // the ids left to insert
-  if (lookup_first) {  // present ids resolved, absent ones -1; nothing allocated when all found
+  if (looked.has_value()) {
+    TORCH_CHECK(looked->scalar_type() == at::kLong && looked->is_contiguous() && looked->numel() == n &&
+                    absent_count >= 0 && absent_count <= n,
+                "kvzch id map: `looked` must be the batch's lookup (contiguous int64, one slot per id) "
+                "with its absent count");
+    out = *looked;
+    m = absent_count;
+    if (m == 0) return {out, -1, size};
+  } else if (lookup_first) {  // present ids resolved, absent ones -1; nothing allocated when all found
     int64_t bad = -1;
     std::tie(out, bad, m) = lookup(table, ids, lo, hi);
     if (bad >= 0 || m == 0) return {out, bad, size};
@@ -210,8 +226,8 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
   // The ids left to insert (`absent[j]`, in batch order) and their buckets (`homes[j]`).
   std::unique_ptr<int64_t[]> absent(new int64_t[m]);
   std::unique_ptr<uint64_t[]> homes(new uint64_t[m]);
-  if (lookup_first) {
-    list_absent(o, n, absent.get());
+  if (looked.has_value() || lookup_first) {
+    list_absent(o, n, m, absent.get());
     at::parallel_for(0, m, 1 << 14, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) homes[j] = home(q[absent[j]], mask);
     });

@@ -1,8 +1,11 @@
 """The GPU machines' offline kit and scripts (tools/gpu): setup.sh unpacks the repacked fbgemm-gpu
 whether make_kit.sh wrote it as one archive or split it into parts; the larger-than-GPU run sizes
-a table larger than the GPU memory it leaves itself, on either machine kind."""
+a table larger than the GPU memory it leaves itself, on either machine kind; the host-cache
+bench's probe without its sync, and the report of that run."""
 
+import importlib.util
 import io
+import json
 import os
 import subprocess
 import sys
@@ -14,9 +17,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tools" / "gpu"), str(ROOT / "benchmarks")]
-from bench_gpu import H100_BYTES, HOST_MARGIN, larger_plan  # noqa: E402
+from bench_gpu import H100_BYTES, HOST_MARGIN, larger_plan, probes_unsynced  # noqa: E402
 from pack_fbgemm import split  # noqa: E402
-from report import larger_line, latest_tests, latest_table, touch_line  # noqa: E402
+from report import host_table, larger_line, latest_tests, latest_table, touch_line  # noqa: E402
+from torchrec_kvzch.table.id_map import IdMap  # noqa: E402
 
 
 @pytest.mark.parametrize("part_mib", [60, 1])
@@ -112,3 +116,28 @@ def test_a_gpu_runs_tests_renew_their_own_groups_and_name_the_gpu(tmp_path):
                  (n, d) for n in ("sorted", "relaxed", "fenced") for d in ("uniform", "zipf"))}}
     line = touch_line(tmp_path, bench)
     assert "(sorted) 0.000 / 0.100" in line and "0.200 / 0.300" in line and "0.400 / 0.500" in line
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_unsynced_probe_finds_known_ids_and_voids_a_batch_with_new_ones():
+    """bench_gpu's probe without its host sync (the kernels under Triton's interpreter here):
+    batches of known ids get their slots as with the sync; a batch with a new id voids the run."""
+    m = IdMap("triton", "cuda" if torch.cuda.is_available() else "cpu")
+    known = torch.arange(100, 1100, 7, device=m.device)
+    want = m.find_or_insert(known)
+    with probes_unsynced():
+        assert torch.equal(m.find_or_insert(known.flip(0)), want.flip(0))
+        assert torch.equal(m.find(known[:5]), want[:5])
+    with pytest.raises(SystemExit, match="new or bad ids"), probes_unsynced():
+        m.find_or_insert(torch.tensor([100, 5], device=m.device))
+
+
+def test_the_host_table_gives_the_unsynced_step_its_line():
+    """report.py renders the host-cache run of record, and the step without the probe's sync where
+    the run has it."""
+    docs = ROOT / "docs" / "benchmarks"
+    record, bench = (json.loads((docs / name).read_text()) for name in ("gpu_host_run.json", "gpu_host.json"))
+    bench = {k: v for k, v in bench.items() if "unsynced" not in k}
+    assert "probe left unread" not in host_table(record, bench)
+    bench.update(unsynced_ms_host_50_zipf=3.25, ratio_unsynced_host_50_zipf=0.52)
+    assert "probe left unread by the host (batches of known ids only): 3.25 ms, ratio 0.520" in host_table(record, bench)

@@ -207,6 +207,11 @@ def host_table(record: dict, bench: dict) -> str:
         lines.append(f"| {percent}% | {policy} | {bench[f'ours_ms_{case}']:.2f} | {bench[f'tbe_ms_{case}']:.2f} | "
                      f"{'**' if short else ''}{bench[key]:.3f}{'**' if short else ''} | {bench[f'hit_rate_{case}']:.3f} | "
                      f"{reference:.3f} |")
+    unsynced = bench.get("ratio_unsynced_host_50_zipf")
+    if unsynced is not None:
+        lines += ["", f"Ours at 50% (lru) with the id map's probe left unread by the host (batches of known ids "
+                      f"only): {bench['unsynced_ms_host_50_zipf']:.2f} ms, ratio {unsynced:.3f}; the most a lookup "
+                      "without that host sync could gain."]
     mapped = bench.get("ratio_fbgemm_cache_50_zipf_host_mapped")
     if mapped is not None:
         lines += ["", f"fbgemm's cache over pinned host memory (`uvm_host_mapped`) instead of managed memory: "

@@ -55,14 +55,21 @@ def _geometry(table: torch.Tensor) -> dict:
 
 def probe(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """(entry of each id or -1, its slot or -1, the first id outside ``[lo, hi)`` or -1, the
-    number of ids inside absent from the table)."""
+    number of ids inside absent from the table): ``launch_probe``, then one host sync."""
+    pos, slots, stats = launch_probe(table, ids, lo, hi)
+    bad_from_end, misses = stats.tolist()
+    return pos, slots, (ids.numel() - bad_from_end if bad_from_end else -1), misses
+
+
+def launch_probe(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
+    """``probe`` with its counters left on the device, read by no one yet (no sync): (entries,
+    slots, [len(ids) less the first bad index (0: none), misses])."""
     n = ids.numel()
     pos, slots = torch.empty_like(ids), torch.empty_like(ids)
-    stats = ids.new_zeros(2)  # n less the first bad index (0: none), misses (one launch, no copy, no sync)
+    stats = ids.new_zeros(2)  # (one launch, no copy)
     if n:
         _probe_kernel[(_blocks(n),)](table, ids, pos, slots, stats, n, lo, hi, **_geometry(table))
-    bad_from_end, misses = stats.tolist()
-    return pos, slots, (n - bad_from_end if bad_from_end else -1), misses
+    return pos, slots, stats
 
 
 def place(table: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor) -> None:

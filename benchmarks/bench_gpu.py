@@ -219,7 +219,7 @@ def hit_rate(tbe, universe, batch: int, pooling: int, reps: int) -> float:
 def probes_unsynced():
     """The id map's GPU probe with its counters left on the device, as if every batch were found
     whole (no new id, no bad one): the lookup's host sync gone, for batches of known ids only.
-    The counters are read once at the end; a batch they fault voids the figures."""
+    The counters are read once at the end: a batch with a new or bad id voids the figures."""
     from torchrec_kvzch.table import gpu_kernels
 
     real, counters = gpu_kernels.probe, []

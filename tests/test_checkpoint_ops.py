@@ -1,5 +1,6 @@
 """The checkpoint's native row copies (``csrc/checkpoint_ops.cpp``) against their torch twins,
-and saved items read straight from DCP's files against DCP's own reader."""
+and saved items read straight from DCP's files against DCP's own reader; the pool of chunk
+buffers a save copies rows into."""
 
 import io
 import os
@@ -181,3 +182,26 @@ def test_a_records_size_is_read_from_the_zip_where_the_reader_cannot_tell_it(tmp
         assert _record_size(OlderReader(), view, record) == 4000
         if hasattr(archive, "get_record_size"):  # torch >= 2.13 tells it itself
             assert _record_size(archive, view, record) == archive.get_record_size(record) == 4000
+
+
+def test_a_chunk_buffer_given_back_inside_the_pools_lock_does_not_hang():
+    """A lease's finalizer gives its buffer back wherever its last reference goes or the collector
+    runs, which can be in a thread inside the pool's lock already (taking or giving back another)."""
+    import threading
+
+    from torchrec_kvzch.checkpoint.buffers import ChunkBuffers
+
+    pool = ChunkBuffers(native=False)
+    lent = pool.take((16,), torch.float32)
+
+    def nested():
+        with pool._lock:
+            del lent_holder[0]  # (the last reference: the lease's finalizer runs here)
+
+    lent_holder = [lent]
+    del lent
+    thread = threading.Thread(target=nested, daemon=True)  # (a hang stays in it, and fails below)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert [len(v) for v in pool._free.values()] == [1]  # (given back)

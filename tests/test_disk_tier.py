@@ -179,3 +179,23 @@ def test_a_directory_is_one_openers_and_a_killed_runs_files_are_discarded(tmp_pa
     assert len(fresh) == 0 and (tmp_path / "rows").stat().st_size == 0
     assert not fresh.read(torch.arange(100))[0].any()
     fresh.close()
+
+
+def test_a_tier_the_collector_finalises_does_not_wait_for_its_reader_thread(tmp_path):
+    """The garbage collector may finalise a tier inside any allocation, as in a thread starting up
+    while it holds threading's shutdown lock; a join of the tier's reader thread then takes that
+    lock again and hangs for ever (the suite once hung so, in test_disk_cache). Finalising lets
+    the reader go without a join; the file and the directory's lock are let go as by ``close``."""
+    script = textwrap.dedent(f"""
+        import threading, torch
+        from torchrec_kvzch.table.disk_tier import DiskTier
+        t = DiskTier({str(tmp_path)!r}, {ROW}, "t")
+        t.take(torch.tensor([1]), during=lambda: None)  # (its reader thread starts)
+        with threading._shutdown_locks_lock:  # held, as by a thread starting when the collector runs
+            t.__del__()
+        print(t.fd, flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "-1", done.stderr[-2000:]
+    assert not (tmp_path / "rows").exists()
+    DiskTier(tmp_path, ROW, "t").close()  # (the directory's lock was let go)

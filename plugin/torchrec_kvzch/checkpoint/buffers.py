@@ -25,7 +25,9 @@ class ChunkBuffers:
         """``native``: buffers in mappings of their own (``empty_large``), else ``torch.empty``."""
         self._native = native
         self._free: dict[int, list] = {}  # bytes -> numpy arrays not in use
-        self._lock = threading.Lock()  # writer threads take and return buffers concurrently
+        # Writer threads take and return buffers concurrently. Reentrant: a lease's finalizer
+        # (``_give_back``) may run inside the collector in a thread holding it already.
+        self._lock = threading.RLock()
         self._open = True
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:

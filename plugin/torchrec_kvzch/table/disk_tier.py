@@ -282,10 +282,11 @@ class DiskTier:
             freed, self._deferred = torch.cat(self._deferred), []
             self._free(freed)
 
-    def close(self) -> None:
-        """Close and delete the file (its rows are gone), and let the directory go."""
+    def close(self, wait: bool = True) -> None:
+        """Close and delete the file (its rows are gone), and let the directory go. ``wait``: for
+        the reader thread to end (no read is in flight once ``take`` has returned)."""
         if self._reader is not None:
-            self._reader.shutdown()
+            self._reader.shutdown(wait=wait)
             self._reader = None
         if self.fd >= 0:
             os.close(self.fd)
@@ -294,8 +295,10 @@ class DiskTier:
             self._lock.close()
 
     def __del__(self) -> None:
+        # No join: the collector may run this in any thread, even one holding threading's own
+        # locks (a thread starting up), which a join takes.
         try:
-            self.close()
+            self.close(wait=False)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 

@@ -31,8 +31,15 @@ def int8_bound(w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8"])
-def test_encode_decode_is_exact_or_within_the_dtype_bound(dtype):
-    w = torch.randn(64, 16) * torch.logspace(-3, 2, 64)[:, None]
+@given(seed=st.integers(0, 2**31 - 1), smallest=st.integers(-10, 0), constant=st.booleans(),
+       offset=st.floats(-1e3, 1e3))
+@settings(max_examples=40, deadline=None)
+def test_encode_decode_is_exact_or_within_the_dtype_bound(dtype, seed, smallest, constant, offset):
+    """Rows of magnitudes from 10^smallest to 100 (in the smallest, int8's scale is an fp16
+    subnormal, or 0), constant rows, rows far from zero: each reads back within its bound."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 1 if constant else 16, generator=gen).expand(64, 16) * torch.logspace(smallest, 2, 64)[:, None]
+    w = w + offset * torch.rand(64, 1, generator=gen)
     got = decode(encode(w, dtype), dtype)
     if dtype == "fp32":
         assert torch.equal(got, w)

@@ -59,14 +59,23 @@ def encode(weights: torch.Tensor, dtype: str) -> torch.Tensor:
 def error_bound(weights: torch.Tensor, dtype: str) -> torch.Tensor:
     """Per row of fp32 ``weights``, the most any value can read back off after ``encode`` in
     ``dtype``: 0 in fp32; fp16's half ulp; for int8, half a quantization step plus the fp16
-    rounding of the scale (over 255 steps) and of the bias."""
+    rounding of the scale (over 255 steps) and of the bias, and fp32's of the arithmetic. An fp16
+    rounding is relative down to fp16's subnormals and then absolute (half their spacing,
+    2^-25): a row whose values span less than about 0.015 has a subnormal scale, and one
+    spanning less than 255 * 2^-25 a scale of 0, which fbgemm replaces by 1 (every value then
+    reads as the bias)."""
     w = weights.detach().float()
     if dtype == "fp32":
         return torch.zeros(w.shape[0])
     if dtype == "fp16":
         return w.abs().max(1).values * 2**-11 + 2**-24  # (and subnormals)
     lo, hi = w.min(1).values, w.max(1).values
-    return (hi - lo) / 255 * (0.5 + 255 * 2**-11) + lo.abs() * 2**-11 + 1e-6
+
+    def fp16_rounding(x: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(x.abs() * 2**-11, min=2**-25)
+
+    step = (hi - lo) / 255
+    return step / 2 + 255 * fp16_rounding(step) + fp16_rounding(lo) + (hi.abs() + lo.abs()) * 2**-20
 
 
 def decode(rows: torch.Tensor, dtype: str) -> torch.Tensor:

@@ -58,7 +58,7 @@ def encode(weights: torch.Tensor, dtype: str) -> torch.Tensor:
 
 def error_bound(weights: torch.Tensor, dtype: str) -> torch.Tensor:
     """Per row of fp32 ``weights``, the most any value can read back off after ``encode`` in
-    ``dtype``: 0 in fp32; fp16's half ulp; for int8, half a quantization step plus the fp16
+    ``dtype``: 0 in fp32; fp16's rounding; for int8, half a quantization step plus the fp16
     rounding of the scale (over 255 steps) and of the bias, and fp32's of the arithmetic. An fp16
     rounding is relative down to fp16's subnormals and then absolute (half their spacing,
     2^-25): a row whose values span less than about 0.015 has a subnormal scale, and one
@@ -67,13 +67,13 @@ def error_bound(weights: torch.Tensor, dtype: str) -> torch.Tensor:
     w = weights.detach().float()
     if dtype == "fp32":
         return torch.zeros(w.shape[0])
-    if dtype == "fp16":
-        return w.abs().max(1).values * 2**-11 + 2**-24  # (and subnormals)
-    lo, hi = w.min(1).values, w.max(1).values
 
     def fp16_rounding(x: torch.Tensor) -> torch.Tensor:
         return torch.clamp(x.abs() * 2**-11, min=2**-25)
 
+    if dtype == "fp16":
+        return fp16_rounding(w.abs().max(1).values)
+    lo, hi = w.min(1).values, w.max(1).values
     step = (hi - lo) / 255
     return step / 2 + 255 * fp16_rounding(step) + fp16_rounding(lo) + (hi.abs() + lo.abs()) * 2**-20
 

@@ -174,10 +174,10 @@ def test_a_batch_near_the_load_limit_is_looked_up_once(backend, monkeypatch):
 
 
 @pytest.mark.skipif(not native_status(), reason="native op not built")
-def test_the_native_insert_takes_the_lookup_it_is_handed_over_probing_again():
-    """The lookup handed over is the one used: a slot doctored in it comes back as it is (a
-    second probe would have put the true one back); a count of absent ids that does not match
-    it is refused before anything changes."""
+def test_the_native_insert_completes_the_lookup_it_is_handed_in_place_without_probing_again():
+    """The lookup handed over is the one used: a slot doctored in it stays as it is (a second
+    probe would have put the true one back) and the absent ids' slots are written into it, with
+    no copy; a count of absent ids that does not match it is refused before anything changes."""
     m = IdMap("native")
     m.find_or_insert(torch.arange(600))
     batch = torch.tensor([5, 9000, 7, 9000, 9001])
@@ -185,16 +185,19 @@ def test_the_native_insert_takes_the_lookup_it_is_handed_over_probing_again():
     assert absent == 3
     slots[0] = 42  # (not id 5's slot)
     m._grow_slot_keys(len(m) + batch.numel())
-    table = m.table.clone()
+    table, keys = m.table.clone(), m.slot_keys.clone()
     for wrong in (2, 4):
+        handed = slots.clone()
         with pytest.raises(RuntimeError, match=f"has 3 absent ids, not the {wrong} counted"):
-            torch.ops.kvzch.find_or_insert(m.table, m.slot_keys, batch, *id_map.ANY_ID, len(m), False,
-                                           slots.clone(), wrong)
-        assert torch.equal(m.table, table)
-    out, bad, size = torch.ops.kvzch.find_or_insert(m.table, m.slot_keys, batch, *id_map.ANY_ID, len(m), False,
-                                                    slots, absent)
-    assert bad == -1 and size == 602 and out.tolist() == [42, 600, 7, 600, 601]
-    assert slots.tolist() == [42, -1, 7, -1, -1]  # (the caller's lookup is left as it was)
+            torch.ops.kvzch.insert_absent_(m.table, m.slot_keys, batch, handed, wrong, len(m))
+        assert torch.equal(m.table, table) and torch.equal(m.slot_keys, keys) and torch.equal(handed, slots)
+    size = torch.ops.kvzch.insert_absent_(m.table, m.slot_keys, batch, slots, absent, len(m))
+    assert size == 602 and slots.tolist() == [42, 600, 7, 600, 601]
+    assert m.slot_keys[600:602].tolist() == [9000, 9001]
+    assert torch.ops.kvzch.insert_absent_(m.table, m.slot_keys, batch, slots, 0, size) == size  # (nothing absent)
+    returned, bad, _ = m.backend.find_or_insert(m.table, m.slot_keys, batch, *id_map.ANY_ID, size, False,
+                                                (slots, 0))
+    assert returned is slots and bad == -1  # (the backend hands the completed lookup back, not a copy)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -333,10 +336,12 @@ def test_native_inserts_on_crowded_tables_keep_first_appearance_order(first, thr
     keys = torch.full((size + batch.numel(),), -1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    looked = TorchBackend().lookup(table, batch, 0, 2**62) if first == "looked" else (None, -1, 0)
     try:
-        slots, bad, new_size = torch.ops.kvzch.find_or_insert(table, keys, batch, 0, 2**62, size,
-                                                              first is True, looked[0], looked[2])
+        if first == "looked":
+            slots, _, absent = TorchBackend().lookup(table, batch, 0, 2**62)
+            bad, new_size = -1, torch.ops.kvzch.insert_absent_(table, keys, batch, slots, absent, size)
+        else:
+            slots, bad, new_size = torch.ops.kvzch.find_or_insert(table, keys, batch, 0, 2**62, size, first)
     finally:
         torch.set_num_threads(before)
     assert bad == -1 and new_size == want_size and torch.equal(slots, want)

@@ -43,11 +43,10 @@ from torchrec_kvzch.table.native import NATIVE_WHY, empty_large, native_status, 
 logger = logging.getLogger(__name__)
 
 MAX_SLOTS = 2**31 - 1  # rows per table shard
-# find_or_insert looks every id up before inserting when the last batch had fewer new ids than
-# this fraction (then the insert pass runs over the absent ids only). A/B of the op, 163,840 ids,
-# caches flushed, lookup first vs the insert pass over every id: 1.2 vs 1.6 ms with no new id at
-# 1M keys, 1.8 vs 2.1 ms at 10M; even at 20% new; lost from 35% (2.8 vs 2.7 ms at 10M; 5.5 vs
-# 3.0 ms with only new ids), where most probes are walked twice.
+# find_or_insert looks every id up before inserting when the last batch had fewer new ids than this fraction
+# (then the insert pass runs over the absent ids only). A/B of the op, 163,840 ids, caches flushed, lookup first
+# vs the insert pass over every id: 1.2 vs 1.6 ms with no new id at 1M keys, 1.8 vs 2.1 ms at 10M; even at 20%
+# new; lost from 35% (2.8 vs 2.7 ms at 10M; 5.5 vs 3.0 ms with only new ids), where most probes are walked twice.
 LOOKUP_FIRST_BELOW = 0.25
 ANY_ID = (0, 2**63 - 1)  # the bounds of a lookup that only refuses negative ids
 
@@ -61,14 +60,13 @@ class IdOutOfRange(ValueError):
 
 
 class Backend(Protocol):
-    """``looked``: the caller's lookup of ``ids`` (slots, absent count), where it ran one."""
+    """``looked``: the caller's lookup of ``ids`` (slots, absent count), completed in place."""
     name: str
 
     def probe(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
     def lookup(self, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, int, int]: ...
-    def find_or_insert(self, table: torch.Tensor, slot_keys: torch.Tensor, ids: torch.Tensor, lo: int, hi: int,
-                       size: int, lookup_first: bool,
-                       looked: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, int, int]: ...
+    def find_or_insert(self, table: torch.Tensor, slot_keys: torch.Tensor, ids: torch.Tensor, lo: int, hi: int, size: int,
+                       lookup_first: bool, looked: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, int, int]: ...
     def touch(self, meta: torch.Tensor, slots: torch.Tensor, clock: int) -> None: ...
 
 
@@ -199,7 +197,9 @@ class NativeBackend:
         return torch.ops.kvzch.lookup(table, ids, lo, hi)
 
     def find_or_insert(self, table, slot_keys, ids, lo, hi, size, lookup_first, looked=None):
-        return torch.ops.kvzch.find_or_insert(table, slot_keys, ids, lo, hi, size, lookup_first, *(looked or (None, 0)))
+        if looked is None:
+            return torch.ops.kvzch.find_or_insert(table, slot_keys, ids, lo, hi, size, lookup_first)
+        return looked[0], -1, torch.ops.kvzch.insert_absent_(table, slot_keys, ids, *looked, size)
 
     def touch(self, meta, slots, clock) -> None:
         touch_meta(meta, slots, clock, native=True)

@@ -1,11 +1,11 @@
-// The native id map ops: probe, lookup and find_or_insert over the table described in id_map.h.
+// The native id map ops: probe, lookup, find_or_insert and insert_absent_ over the table
+// described in id_map.h.
 
 #include "id_map.h"
 
 #include <algorithm>
 #include <limits>
 #include <memory>
-#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -117,6 +117,12 @@ std::tuple<at::Tensor, int64_t, int64_t> lookup(const at::Tensor& table, const a
   return {out, bad, misses.load()};
 }
 
+void check_room(const at::Tensor& slot_keys, int64_t size, int64_t n) {
+  TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous(),
+              "kvzch id map: slot_keys must be a contiguous int64 tensor");
+  TORCH_CHECK(size + n <= slot_keys.numel(), "kvzch id map: slot_keys has no room for the batch");
+}
+
 // Slot of every id, inserting the absent ones; returns (slots, index of the first id outside
 // [lo, hi) or -1, new size). New ids take slots size, size + 1, ... in order of first appearance,
 // whatever the number of threads. The caller guarantees room: the table keeps an empty entry
@@ -125,8 +131,8 @@ std::tuple<at::Tensor, int64_t, int64_t> lookup(const at::Tensor& table, const a
 // resolves the ids already present, so that a batch with few new ids (most batches, once
 // training is warm) costs little more than a lookup; the caller asks for it unless the last batch
 // had many new ids, whose probes it would walk twice (A/B at LOOKUP_FIRST_BELOW in id_map.py).
-// A caller that has looked the batch up already (its bounds checked) hands that lookup over
-// instead, `looked` (slots, -1 where absent) and its `absent` count, and no id is probed twice.
+// A caller that has looked the batch up already (its bounds checked) hands that lookup to
+// `insert_absent_` instead, which completes it in place: no id is probed twice or copied.
 // Then the ids left (all of them without `lookup_first`, after a bounds pass; a bad batch
 // changes nothing) go through the insert pass: the table is cut into one contiguous region per
 // thread; a thread walks (walk_probes) the ids whose bucket lies in its region, in batch order,
@@ -192,60 +198,10 @@ void list_absent(const int64_t* o, int64_t n, int64_t m, int64_t* absent) {
   });
 }
 
-std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Tensor slot_keys,
-                                                        const at::Tensor& ids, int64_t lo,
-                                                        int64_t hi, int64_t size,
-                                                        bool lookup_first,
-                                                        const std::optional<at::Tensor>& looked,
-                                                        int64_t absent_count) {
-  check_ids(ids);
-  auto [t, mask] = entries(table);
-  TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous(),
-              "kvzch id map: slot_keys must be a contiguous int64 tensor");
-  const int64_t n = ids.numel();
-  TORCH_CHECK(size + n <= slot_keys.numel(), "kvzch id map: slot_keys has no room for the batch");
-  const int64_t* q = ids.data_ptr<int64_t>();
-  at::Tensor out;
-  int64_t m = n;  // the ids left to insert
-  if (looked.has_value()) {
-    TORCH_CHECK(looked->scalar_type() == at::kLong && looked->is_contiguous() && looked->numel() == n &&
-                    absent_count >= 0 && absent_count <= n,
-                "kvzch id map: `looked` must be the batch's lookup (contiguous int64, one slot per id) "
-                "with its absent count");
-    out = looked->clone();  // (the caller's stays as it was: 1 ms of probes saved for a copy)
-    m = absent_count;
-    if (m == 0) return {out, -1, size};
-  } else if (lookup_first) {  // present ids resolved, absent ones -1; nothing allocated when all found
-    int64_t bad = -1;
-    std::tie(out, bad, m) = lookup(table, ids, lo, hi);
-    if (bad >= 0 || m == 0) return {out, bad, size};
-  } else {
-    out = at::empty_like(ids);
-  }
-  int64_t* o = out.data_ptr<int64_t>();
-  // The ids left to insert (`absent[j]`, in batch order) and their buckets (`homes[j]`).
-  std::unique_ptr<int64_t[]> absent(new int64_t[m]);
-  std::unique_ptr<uint64_t[]> homes(new uint64_t[m]);
-  if (looked.has_value() || lookup_first) {
-    list_absent(o, n, m, absent.get());
-    at::parallel_for(0, m, 1 << 14, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) homes[j] = home(q[absent[j]], mask);
-    });
-  } else {
-    std::atomic<int64_t> bad{std::numeric_limits<int64_t>::max()};
-    at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        if (q[i] < lo || q[i] >= hi) {
-          lower_to(bad, i);
-          return;
-        }
-        absent[i] = i;
-        homes[i] = home(q[i], mask);
-      }
-    });
-    if (bad.load() != std::numeric_limits<int64_t>::max()) return {out, bad.load(), size};
-  }
-
+// The insert pass and the ranking over the `m` ids left (indices `absent`, buckets `homes`, in
+// batch order), whose slots it writes into `o`; returns the new size.
+int64_t insert_listed(Entry* t, uint64_t mask, at::Tensor& slot_keys, const int64_t* q, int64_t* o, int64_t m,
+                      const int64_t* absent, const uint64_t* homes, int64_t size) {
   const int64_t capacity = static_cast<int64_t>(mask) + 1;
   const int64_t regions = std::clamp<int64_t>(at::get_num_threads(), 1, capacity / 1024 + 1);
   const int64_t span = capacity / regions / static_cast<int64_t>(kBucket) * kBucket;
@@ -292,7 +248,7 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
     claim_at(t, q[i], i, e, o);
     claimed += is_first(o[i]);
   }
-  if (claimed.load() == 0) return {out, -1, size};  // every id was present: nothing to rank
+  if (claimed.load() == 0) return size;  // every id was present: nothing to rank
 
   // Ranks in batch order: each fixed chunk of the absent ids lists its first appearances, a
   // prefix over the chunks' counts gives each chunk's first slot, then the chunks write slots.
@@ -336,7 +292,65 @@ std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Te
       if (o[i] <= kRepeat / 2) o[i] = o[o[i] - kRepeat];
     }
   });
-  return {out, -1, next_slot[chunks]};
+  return next_slot[chunks];
+}
+
+// Inserts the ids a lookup of the batch left absent (`slots`: -1 there; `absent` of them) and
+// writes their slots into it, in place: after the caller's own lookup, no id is probed twice and
+// the lookup is not copied. Returns the new size.
+int64_t insert_absent_(at::Tensor table, at::Tensor slot_keys, const at::Tensor& ids, at::Tensor slots,
+                       int64_t absent_count, int64_t size) {
+  check_ids(ids);
+  auto [t, mask] = entries(table);
+  const int64_t n = ids.numel();
+  check_room(slot_keys, size, n);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n &&
+                  absent_count >= 0 && absent_count <= n,
+              "kvzch id map: `slots` must be the batch's lookup (contiguous int64, one slot per id) "
+              "with its absent count");
+  if (absent_count == 0) return size;
+  int64_t* o = slots.data_ptr<int64_t>();
+  const int64_t* q = ids.data_ptr<int64_t>();
+  // The ids left to insert (`absent[j]`, in batch order) and their buckets (`homes[j]`).
+  std::unique_ptr<int64_t[]> absent(new int64_t[absent_count]);
+  std::unique_ptr<uint64_t[]> homes(new uint64_t[absent_count]);
+  list_absent(o, n, absent_count, absent.get());  // (refuses a count that is not the lookup's)
+  at::parallel_for(0, absent_count, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) homes[j] = home(q[absent[j]], mask);
+  });
+  return insert_listed(t, mask, slot_keys, q, o, absent_count, absent.get(), homes.get(), size);
+}
+
+std::tuple<at::Tensor, int64_t, int64_t> find_or_insert(at::Tensor table, at::Tensor slot_keys,
+                                                        const at::Tensor& ids, int64_t lo,
+                                                        int64_t hi, int64_t size,
+                                                        bool lookup_first) {
+  if (lookup_first) {  // present ids resolved, absent ones -1; nothing allocated when all found
+    auto [out, bad, m] = lookup(table, ids, lo, hi);
+    return {out, bad, bad >= 0 ? size : insert_absent_(table, slot_keys, ids, out, m, size)};
+  }
+  check_ids(ids);
+  auto [t, mask] = entries(table);
+  const int64_t n = ids.numel();
+  check_room(slot_keys, size, n);
+  const int64_t* q = ids.data_ptr<int64_t>();
+  at::Tensor out = at::empty_like(ids);
+  std::unique_ptr<int64_t[]> absent(new int64_t[n]);  // every id, after a bounds pass
+  std::unique_ptr<uint64_t[]> homes(new uint64_t[n]);
+  std::atomic<int64_t> bad{std::numeric_limits<int64_t>::max()};
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (q[i] < lo || q[i] >= hi) {
+        lower_to(bad, i);
+        return;
+      }
+      absent[i] = i;
+      homes[i] = home(q[i], mask);
+    }
+  });
+  if (bad.load() != std::numeric_limits<int64_t>::max()) return {out, bad.load(), size};
+  int64_t* o = out.data_ptr<int64_t>();
+  return {out, -1, insert_listed(t, mask, slot_keys, q, o, n, absent.get(), homes.get(), size)};
 }
 
 at::Tensor served_rows_meta(const at::Tensor& table, const at::Tensor& ids, const at::Tensor& default_starts, int64_t lo,
@@ -351,6 +365,7 @@ TORCH_LIBRARY_IMPL(kvzch, CPU, m) {
   m.impl("probe", &kvzch::probe);
   m.impl("lookup", &kvzch::lookup);
   m.impl("find_or_insert", &kvzch::find_or_insert);
+  m.impl("insert_absent_", &kvzch::insert_absent_);
   m.impl("served_rows", &kvzch::served_rows);
 }
 

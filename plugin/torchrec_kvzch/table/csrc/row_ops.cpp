@@ -245,7 +245,9 @@ TORCH_LIBRARY(kvzch, m) {
   m.def("served_rows(Tensor table, Tensor ids, Tensor default_starts, int lo, int hi, str name) -> Tensor");
   m.def(
       "find_or_insert(Tensor(a!) table, Tensor(b!) slot_keys, Tensor ids, int lo, int hi, int size, "
-      "bool lookup_first, Tensor? looked=None, int absent=0) -> (Tensor, int, int)");
+      "bool lookup_first) -> (Tensor, int, int)");
+  m.def("insert_absent_(Tensor(a!) table, Tensor(b!) slot_keys, Tensor ids, Tensor(c!) slots, int absent, "
+        "int size) -> int");
   m.def("uniform_by_id_(Tensor(a!) out, Tensor ids, float low, float high, int seed) -> ()");
   m.def("uniform_by_id(Tensor ids, int dim, float low, float high, int seed) -> Tensor");
   m.def("touch(Tensor(a!) meta, Tensor slots, int clock) -> ()");

@@ -38,7 +38,7 @@ class Model:
         self.counts = [[0] * self.width for _ in self.row_salts]
         self.rows, self.admitted, self.rejected = set(), 0, 0
 
-    def batch(self, ids: list[int]) -> list[bool]:
+    def batch(self, ids: list[int], step: int) -> list[bool]:
         seen = {}
         for i in ids:
             if i not in self.rows:
@@ -56,7 +56,7 @@ class Model:
             if self.policy.kind.value == "count":
                 ok[i] = after[i] >= self.policy.min_count
             else:
-                u = ((signed(mix64(mix64(i ^ self.draw_salt) + after[i])) >> 11) & ((1 << 53) - 1)) / 2.0**53
+                u = ((signed(mix64(mix64(i ^ self.draw_salt) + step)) >> 11) & ((1 << 53) - 1)) / 2.0**53
                 ok[i] = u < 1.0 - (1.0 - self.policy.probability) ** c
             self.admitted += ok[i]
             self.rejected += not ok[i]
@@ -83,9 +83,9 @@ def test_decisions_equal_a_plain_python_model_of_the_policy(policy, log, seed):
     """Small sketches (8 counters) make ids share counters: the model must agree there too."""
     store = RowStore(params(policy, init_seed=seed))
     model = Model(store.params.admission, seed)
-    for ids in log:
+    for step, ids in enumerate(log, 1):
         slots = store.lookup_for_update(torch.tensor(ids, dtype=torch.long))
-        assert (slots >= 0).tolist() == model.batch(ids)
+        assert (slots >= 0).tolist() == model.batch(ids, step)
         assert sorted(store.keys().tolist()) == sorted(model.rows)
     assert (store.counters["admitted"], store.counters["rejected"]) == (model.admitted, model.rejected)
 

@@ -83,7 +83,7 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
     ("tables:\n" + GOOD_TABLE + "    kvzch: {num_embeddings: 2^20, total_num_buckets: 16, bucket_count: 3}\n",
      "tables[0] (t).kvzch.bucket_count: unknown key; allowed: admission, backend_return_whole_row, beta1, beta2, checkpoint_chunk_rows"),
     ("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, eviction: {kind: lru, rows: 5}}\n",
-     "tables[0] (t).kvzch.eviction.rows: unknown key; did you mean 'max_rows'? allowed: count_decay, count_threshold, default_feature_score, feature_scores, free_memory_bytes, interval_steps, keep_rows, kind, l2_threshold, max_bytes, max_rows, score_bucket_width, score_buckets, table_max_bytes, table_max_rows, trigger, trigger_bytes, trigger_rows, ttl_minutes, ttl_steps"),
+     "tables[0] (t).kvzch.eviction.rows: unknown key; did you mean 'max_rows'? allowed: count_decay, count_threshold, decay_interval_minutes, default_feature_score, feature_scores, free_memory_bytes, interval_steps, keep_rows, kind, l2_threshold, max_bytes, max_rows, score_bucket_width, score_buckets, table_max_bytes, table_max_rows, trigger, trigger_bytes, trigger_rows, ttl_minutes, ttl_steps"),
     ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    planner: {sharding_types: [diagonal]}\n",
      "tables[0] (t).planner.sharding_types[0]: 'diagonal' is not allowed; use one of data_parallel"),
     ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n" + GOOD_TABLE + "    num_embeddings: 10\n",

@@ -1,6 +1,7 @@
 """TorchRec's own KV-ZCH declarations: every field honoured or refused, planned by our planner
 and by TorchRec's stock one, trained like the same table declared natively."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -65,13 +66,14 @@ def config(policy=None, cls=EmbeddingBagConfig, name="t", **fields):
                                                      threshold_calculation_bucket_stride=0.5,
                                                      threshold_calculation_bucket_num=1000)),
      EvictionPolicy(kind="feature_score", keep_rows=600, count_decay=0.9, score_bucket_width=0.5,
-                    score_buckets=1000, trigger="rows", trigger_rows=800)),
+                    score_buckets=1000, trigger="rows", trigger_rows=800, decay_interval_minutes=24 * 60)),
     (FeatureScoreBasedEvictionPolicy(training_id_keep_count=600, enable_auto_feature_score_collection=True,
                                      feature_score_mapping={"f_t": 2.0}, feature_score_default_value=0.5), MEMORY,
      EvictionPolicy(kind="feature_score", keep_rows=600, count_decay=0.99, feature_scores={"f_t": 2.0},
-                    default_feature_score=0.5, trigger="bytes", trigger_bytes=4 << 30)),
+                    default_feature_score=0.5, trigger="bytes", trigger_bytes=4 << 30, decay_interval_minutes=24 * 60)),
     (FeatureScoreBasedEvictionPolicy(training_id_keep_count=600, enable_eviction=False), None,
-     EvictionPolicy(kind="feature_score", keep_rows=600, count_decay=0.99, trigger="manual")),
+     EvictionPolicy(kind="feature_score", keep_rows=600, count_decay=0.99, trigger="manual",
+                    decay_interval_minutes=24 * 60)),
     (FeatureScoreBasedEvictionPolicy(eviction_ttl_mins=30, training_id_keep_count=600), MEMORY,
      EvictionPolicy(kind="ttl", ttl_minutes=30, trigger="bytes", trigger_bytes=4 << 30)),
     (TimestampBasedEvictionPolicy(eviction_ttl_mins=5),
@@ -164,6 +166,13 @@ def test_ssd_kernels_with_a_directory_and_a_dram_cache_keep_their_rows_on_disk(c
     assert params.storage == DiskStorage("/data/nvme", shard_cache_bytes=2 << 30)
     assert params.eviction == EvictionPolicy(kind="lfu", count_threshold=3, count_decay=0.5, trigger="bytes",
                                              trigger_bytes=2 << 30)
+    # Beside the table's own KVZCHTableParams, the declared tier is kept; another one contradicts it.
+    disk = KeyValueParams(ssd_storage_directory="/data/nvme", l2_cache_size=2)
+    own = KVZCHTableParams("t", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS)
+    assert table_params(config(), "ssd_virtual_table", disk, explicit=own).storage == params.storage
+    other = dataclasses.replace(own, storage=DiskStorage("/data/other", shard_cache_bytes=1 << 30))
+    with pytest.raises(ValueError, match="KV-ZCH table 't': its KeyValueParams declare a disk tier"):
+        table_params(config(), "ssd_virtual_table", disk, explicit=other)
 
 
 def test_fused_params_fill_what_a_table_leaves_unset():
@@ -191,6 +200,11 @@ def test_fused_params_fill_what_a_table_leaves_unset():
     constrained = table_params(config(), fused_params={"optimizer": EmbOptimType.ADAM},
                                extras=KVZCHConstraints(beta2=0.9).extras())
     assert (constrained.beta1, constrained.beta2) == (0.9, 0.9)
+    # Fused params may carry betas for the Adam tables of other sharders; a table's own are refused
+    # where its optimizer never reads them.
+    assert table_params(config(), fused_params={"beta1": 0.8}).optimizer.value == "exact_row_wise_adagrad"
+    with pytest.raises(ValueError, match="KV-ZCH table 't': beta2 has no effect with optimizer exact_row_wise_adagrad"):
+        table_params(config(), extras=KVZCHConstraints(beta2=0.9).extras())
     for fused, message in [({"weight_decay": 0.1}, "weight_decay 0.1 with weight_decay_mode none would be dropped"),
                            ({"weight_decay": 0.1, "weight_decay_mode": FbgemmMode.COUNTER},
                             r"weight_decay_mode 'COUNTER' is unknown; use one of none, l2, decouple \(it needs per-row counters"),
@@ -200,6 +214,9 @@ def test_fused_params_fill_what_a_table_leaves_unset():
     for key, value, message in [("output_dtype", SparseType.FP16, "output_dtype=.* is not supported"),
                                 ("optimizer", EmbOptimType.LAMB, "optimizer .* is not supported"),
                                 ("mystery_knob", 1, "'mystery_knob' is not understood"),
+                                ("learning_rate", "0.1x", r"fused param learning_rate='0.1x' is not a number"),
+                                ("beta1", None, "fused param beta1=None is not a number"),
+                                ("stochastic_rounding", "False", "stochastic_rounding='False' is not a bool"),
                                 ("l2_cache_size", 4, "key_value_params=KeyValueParams")]:
         with pytest.raises(ValueError, match=message):
             table_params(config(), fused_params={key: value})
@@ -242,6 +259,13 @@ def test_torchrecs_stock_planner_takes_our_sharders():
         name="plain", embedding_dim=8, num_embeddings=1000, feature_names=["f"])], device=torch.device("meta"))
     plan = EmbeddingShardingPlanner(Topology(world_size=2, compute_device="cpu")).plan(ordinary, kvzch_sharders())
     assert plan.plan[""]["plain"].compute_kernel == "fused"  # never a virtual-table kernel unless asked
+    # Without constraints, on CPU, it plans a use_virtual_table table as an ordinary one: refused by name.
+    from torchrec_kvzch.torchrec.modules import store_plan
+    model = upstream_model()
+    fused = EmbeddingShardingPlanner(Topology(world_size=2, compute_device="cpu")).plan(model, kvzch_sharders())
+    with pytest.raises(ValueError, match="table 'user' is declared use_virtual_table=True but planned on kernel "
+                                         "'fused'.*plan it with KVZCHShardingPlanner"):
+        store_plan(model.embedding_bag_configs(), fused.plan[""], None)
     # On CPU its perf estimator has no price for virtual-table kernels (KVZCHShardingPlanner adds one).
     virtual = {"user": ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["dram_virtual_table"])}
     with pytest.raises(ValueError, match="unsupported compute kernel: dram_virtual_table"):

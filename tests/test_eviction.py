@@ -13,6 +13,7 @@ from torchrec_kvzch.job import config_path
 from torchrec_kvzch.table.tbe import TableTBE
 from torchrec_kvzch.table.eviction import budget_rows
 from torchrec_kvzch.table.initializer import uniform_by_id_torch
+from torchrec_kvzch.table.layout import RowPart
 from torchrec_kvzch.table.snapshot import RowSnapshot
 from torchrec_kvzch.table.layout import meta_count, meta_timestamp
 
@@ -391,6 +392,44 @@ def test_wall_clock_ttl_counts_minutes_from_an_injectable_clock():
     assert sorted(torch.sort(store.keys()).values.tolist()) == [2, 4]
     now[0] += 10_000
     assert store.evictor.run_pass() == 2 and len(store) == 0
+
+
+def test_a_load_restarts_the_wall_clock_notes_so_loaded_rows_count_as_touched_at_resume():
+    """Rolled back in the same process (a store that trained before its load): the notes of
+    the steps before the load must not date the loaded rows (a load ends in restore_history)."""
+    params = KVZCHTableParams("t", 4, num_embeddings=2**20, total_num_buckets=16,
+                              eviction=EvictionPolicy("ttl", ttl_minutes=1))
+    saved, store = RowStore(params), RowStore(params)
+    saved.lookup_for_update(torch.arange(5))
+    rows = saved.read(torch.arange(5), RowPart.ROW)
+    now = [0.0]
+    store.evictor.time_source = lambda: now[0]
+    for _ in range(3):  # trained at t = 0, 1, 2 s
+        store.lookup_for_update(torch.tensor([100]))
+        now[0] += 1.0
+    now[0] = 2000.0  # the rollback, half an hour later
+    store.clear()
+    store.write_rows(rows)
+    store.restore_history(saved.clock, saved.history.counters, params.bucket_size)
+    now[0] = 2001.0
+    store.lookup_for_update(torch.tensor([50]))
+    assert sorted(store.keys().tolist()) == [0, 1, 2, 3, 4, 50]
+
+
+def test_a_refused_training_batch_leaves_the_clock_alone():
+    """Ids outside the shard are refused before any row changes, and the step does not count:
+    a TTL in steps keeps what it would have kept without the refused batch."""
+    params = KVZCHTableParams("t", 4, num_embeddings=800, total_num_buckets=8,
+                              eviction=EvictionPolicy("ttl", ttl_steps=2))
+    store = RowStore(params, params.bucket_range(0, 2))  # ids [0, 400)
+    store.lookup_for_update(torch.tensor([1]))
+    store.lookup_for_update(torch.tensor([2]))
+    for bad in ([3, 999], [3, -1]):
+        with pytest.raises(ValueError, match="outside this shard's ids"):
+            store.lookup_for_update(torch.tensor(bad))
+    assert store.clock == 2
+    store.lookup_for_update(torch.tensor([2]))  # step 3: id 1 is 2 steps old, kept
+    assert sorted(store.keys().tolist()) == [1, 2]
 
 
 def test_l2_rule_and_memory_triggers():

@@ -2,6 +2,8 @@
 ``FeatureScoreBasedEvictionPolicy``): scores kept in the rows' headers, fed from the batch,
 decayed and cut as fbgemm's ``FeatureScoreBasedEvict`` does."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, RowStore
 from torchrec_kvzch.table.eviction import lowest_scores
 from torchrec_kvzch.table.layout import meta_score, meta_timestamp
 from torchrec_kvzch.table.snapshot import RowSnapshot
+from torchrec_kvzch.torchrec.tables import kvzch_tables
 
 from test_eviction import Model
 
@@ -19,8 +22,9 @@ class ScoreModel(Model):
     """fbgemm's rule in plain Python, row by row (``feature_evict.h``): each occurrence adds
     its score; a pass decays every score (fp32 of the fp64 product), puts them in buckets
     (0: below 1e-9; b: ``int(score / width) + 1``; the last: the rest) and drops every zero
-    score if those suffice, else the rows scoring at most ``b * width`` for the first bucket
-    ``b`` whose running count reaches the excess over ``keep_rows``. Budgets drop the lowest
+    score if those suffice, else the rows scoring below ``b * width`` for the first bucket
+    ``b`` whose running count reaches the excess over ``keep_rows`` (the buckets hold the scores
+    before the decay, the comparison takes them after it). Budgets drop the lowest
     (score, timestamp, id) first; the batch's own rows are never dropped for it. (``Model``'s
     rows, id -> [timestamp, score], with the score an ``np.float32``.)"""
 
@@ -43,22 +47,13 @@ class ScoreModel(Model):
 
     def run_pass(self, protected=frozenset()):
         p = self.policy
+        excess, counts = len(self.rows) - p.keep_rows, [0] * p.score_buckets
+        for _, s in self.rows.values():  # (the cut comes from the scores before the decay)
+            counts[self.bucket(s)] += 1
         for row in self.rows.values():
             row[1] = np.float32(float(row[1]) * p.count_decay)
-        excess = len(self.rows) - p.keep_rows
         if excess <= 0:
             return set()
-
-        def bucket(s):
-            if abs(s) < 1e-9:
-                return 0
-            if s >= p.score_buckets * p.score_bucket_width:
-                return p.score_buckets - 1
-            return min(int(float(s) / p.score_bucket_width) + 1, p.score_buckets - 1)
-
-        counts = [0] * p.score_buckets
-        for _, s in self.rows.values():
-            counts[bucket(s)] += 1
         if counts[0] >= excess:
             doomed = {i for i, (_, s) in self.rows.items() if abs(s) < 1e-9}
         else:
@@ -68,8 +63,16 @@ class ScoreModel(Model):
                 if held >= excess:
                     cut = b
                     break
-            doomed = {i for i, (_, s) in self.rows.items() if float(s) <= cut * p.score_bucket_width}
+            doomed = {i for i, (_, s) in self.rows.items() if float(s) < cut * p.score_bucket_width}
         return doomed - protected
+
+    def bucket(self, s):
+        p = self.policy
+        if abs(s) < 1e-9:
+            return 0
+        if s >= p.score_buckets * p.score_bucket_width:
+            return p.score_buckets - 1
+        return min(int(float(s) / p.score_bucket_width) + 1, p.score_buckets - 1)
 
 
 def store_rows(store):
@@ -137,10 +140,34 @@ def test_cut_is_fbgemms_bucket_threshold():
     assert lowest_scores(s, 5, 0.2, 10).sum() == 3
     # 4 to drop: bucket 2 [0.2, 0.4) holds both 0.3s: cut at 0.4, 5 rows go (one more than asked)
     assert lowest_scores(s, 4, 0.2, 10).sum() == 5
-    # the cut is inclusive: scores equal to it go too, although their bucket is the next one
-    assert lowest_scores(torch.tensor([0.25, 0.5, 0.5, 1.0]), 3, 0.5, 10).tolist() == [True, True, True, False]
+    # the cut is strict, as fbgemm's: scores equal to it are in the next bucket and stay
+    assert lowest_scores(torch.tensor([0.25, 0.5, 0.5, 1.0]), 3, 0.5, 10).tolist() == [True, False, False, False]
+    # integer scores land on bucket edges: 3 rows of 0.9 (bucket 5), 3 of 1.0 (bucket 6), 3 of 2.0;
+    # 2 to drop -> the cut is bucket 5, 1.0: only the 0.9s go (fbgemm keeps 6 rows, not 3)
+    s9 = torch.tensor([0.9] * 3 + [1.0] * 3 + [2.0] * 3)
+    assert lowest_scores(s9, 7, 0.2, 1000).tolist() == [True] * 3 + [False] * 6
+    # the cut comes from the scores before a decay; the decayed ones are compared with it
+    decayed = s9 * 0.5  # 0.45, 0.5, 1.0: all but the 1.0s are below the cut of 1.0
+    assert lowest_scores(s9, 7, 0.2, 1000, decayed).tolist() == [True] * 6 + [False] * 3
     # a score past the last bucket's start counts in it: 2 buckets of 0.2, 7 to drop -> the cut is 0.2
     assert lowest_scores(s, 1, 0.2, 2).tolist() == [True] * 3 + [False] * 5
+
+
+def test_decay_interval_spaces_the_decays_in_wall_clock_time():
+    """With ``decay_interval_minutes`` a pass decays only once that long has passed since the
+    last decay (or the first training batch); the cut still runs at every pass."""
+    policy = EvictionPolicy("feature_score", keep_rows=100, count_decay=0.5, decay_interval_minutes=60)
+    store = RowStore(KVZCHTableParams("t", 4, eviction=policy))
+    now = [0.0]
+    store.evictor.time_source = lambda: now[0]
+    scores = []
+    for minute in (0, 30, 59, 61, 90, 125):
+        now[0] = minute * 60.0
+        store.lookup_for_update(torch.tensor([7]), torch.tensor([0.0]))  # (a pass every step)
+        scores.append(float(meta_score(store.meta[store.find(torch.tensor([7]))])[0]))
+        if minute == 0:
+            store.meta[0:1] = store.meta[0:1] | (torch.tensor([16.0]).view(torch.int32).long() << 32)
+    assert scores == [0.0, 16.0, 16.0, 8.0, 8.0, 4.0]
 
 
 def test_policy_fields_are_checked():
@@ -255,14 +282,16 @@ def save_scored(rank, world, root):
     from torchrec_kvzch.checkpoint.manager import CheckpointManager
 
     model = scored_model(rank, world, 8, 12)
+    for _, tbe in kvzch_tables(model):  # a day between clock readings: every pass decays (declared: daily)
+        assert tbe.store.evictor.policy.decay_interval_minutes == 24 * 60
+        tbe.store.evictor.time_source = itertools.count(0, 24 * 3600).__next__
     manager = CheckpointManager(root)
     for step in range(6):
         model(*scored_batches(rank, step)).backward()
         if step + 1 in (3, 6):
             state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
             manager.save(state, step + 1, incremental=True)  # (the first: in full, logging from then on)
-    evicted = {n: t.store.history.evicted for n, t in __import__("torchrec_kvzch.torchrec.tables",
-                                                                  fromlist=["kvzch_tables"]).kvzch_tables(model)}
+    evicted = {n: t.store.history.evicted for n, t in kvzch_tables(model)}
     return headers(model), evicted
 
 
@@ -284,7 +313,7 @@ def test_scores_resume_exactly_at_another_world_size_through_a_delta(pools, tmp_
     from torchrec_kvzch.checkpoint.manager import CheckpointManager
 
     link = CheckpointManager(tmp_path)._link(6)[1]
-    assert link["step"] == 3 and all(link["decays"][t] for t in link["decays"])  # a delta, decays to replay
+    assert link["step"] == 3 and all(all(r) for r in link["decays"].values())  # a delta, decays to replay
     [loaded] = pools[1].run(load_scored, str(tmp_path))
     for name in ("user", "seq"):
         ids, weights, meta = (torch.cat([rows[name][k] for rows, _ in saved]) for k in range(3))
@@ -337,6 +366,29 @@ def shard_refused(rank, world):
         kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=3)))}
     return refusals(lambda: sharded(weighted, manual),
                     lambda: sharded(unscored, {"user": KVZCHConstraints(kvzch=native)}), errors=ValueError)
+
+
+def negative_score_refused(rank, world):
+    """One step, then a batch with a negative score: the error, and whether every table's rows,
+    headers and clock are as before it."""
+    model = scored_model(rank, world, 8, 12)
+    model(*scored_batches(rank, 0)).backward()
+    before = headers(model), [t.store.clock for _, t in kvzch_tables(model)]
+    user, seq = scored_batches(rank, 1)
+    bad = type(user)(keys=user.keys(), values=user.values(), lengths=user.lengths(),
+                     weights=torch.tensor([1.0, 0.5, -0.25, 1.0, 1.0, 1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError) as refused:
+        model(bad, seq)
+    after = headers(model), [t.store.clock for _, t in kvzch_tables(model)]
+    same = before[1] == after[1] and all(torch.equal(a, b) for n in before[0]
+                                         for a, b in zip(before[0][n], after[0][n]))
+    return str(refused.value), same
+
+
+def test_a_negative_score_is_refused_before_any_table_looks_the_batch_up(pools):
+    [(message, unchanged)] = pools[1].run(negative_score_refused)
+    assert "feature 'f_user' (table 'user') has feature score -0.25 at its id 2" in message
+    assert unchanged
 
 
 def test_what_a_kernel_cannot_score_is_refused_by_name(pools):

@@ -45,6 +45,13 @@ def make(**kw):
         (dict(eviction=EvictionPolicy(kind="ttl", ttl_steps=5, interval_steps=0)), "eviction.interval_steps must be a positive integer"),
         (dict(eviction=EvictionPolicy(kind="lfu", count_threshold=2, count_decay=0)), "eviction.count_decay must be in (0, 1]"),
         (dict(name=""), "KV-ZCH table name must be a non-empty string"),
+        (dict(beta1=0.8), "beta1 has no effect with optimizer exact_row_wise_adagrad"),
+        (dict(optimizer="exact_sgd", beta2=0.99), "beta2 has no effect with optimizer exact_sgd"),
+        (dict(enable_optimizer_offloading="false"), "enable_optimizer_offloading must be True or False"),
+        (dict(enable_optimizer_offloading=True, backend_return_whole_row=1), "backend_return_whole_row must be True"),
+        (dict(learning_rate=True), "learning_rate must be a positive finite number"),
+        (dict(init_seed=True), "init_seed must be an integer in [-2^55, 2^55)"),
+        (dict(init_seed=2**70), "init_seed must be an integer in [-2^55, 2^55)"),
     ],
 )
 def test_validation_errors_name_table_field_and_fix(kw, fragment):
@@ -112,6 +119,20 @@ def test_bucket_split_equals_torchrec(buckets, world, per_bucket):
     (dict(kind="lfu", count_threshold=2, trigger_bytes=10), "trigger_bytes goes with"),
     (dict(kind="lru", max_rows=5, trigger="manual"), "has none"),
     (dict(kind="ttl", ttl_steps=3, trigger="hourly"), "trigger 'hourly' is unknown"),
+    # fields the kind or trigger never reads
+    (dict(kind="l2", l2_threshold=0.5, count_decay=0.5), "count_decay has no effect with eviction.kind 'l2'"),
+    (dict(kind="lru", max_rows=5, count_decay=0.9), "count_decay has no effect"),
+    (dict(kind="ttl", ttl_steps=3, count_decay=0.9), "count_decay has no effect"),
+    (dict(kind="lfu", count_threshold=2, count_decay=True), "count_decay must be in"),
+    (dict(kind="lru", max_rows=5, interval_steps=10), "interval_steps has no effect with eviction.kind 'lru'"),
+    (dict(kind="none", interval_steps=10), "interval_steps has no effect"),
+    (dict(kind="lfu", count_threshold=2, trigger="manual", interval_steps=10), "trigger 'manual'"),
+    (dict(kind="lfu", count_threshold=2, trigger="rows", trigger_rows=9, interval_steps=3), "interval_steps has no"),
+    (dict(kind="lfu", count_threshold=2, score_buckets=10), "score_buckets has no effect"),
+    (dict(kind="ttl", ttl_steps=3, score_bucket_width=0.5), "score_bucket_width has no effect"),
+    (dict(kind="lfu", count_threshold=2, count_decay=0.5, decay_interval_minutes=60), "decay_interval_minutes has no"),
+    (dict(kind="feature_score", keep_rows=3, decay_interval_minutes=60), "count_decay, which is 1.0"),
+    (dict(kind="feature_score", keep_rows=3, count_decay=0.5, decay_interval_minutes=0), "must be a positive number"),
 ])
 def test_eviction_policy_refuses_inconsistent_fields(policy, message):
     with pytest.raises(ValueError, match=message):
@@ -123,6 +144,9 @@ def test_eviction_policy_accepts_triggers_and_mixed_rules():
                                          trigger="rows", trigger_rows=100)).eviction
     assert mixed.trigger.value == "rows" and mixed.ttl_minutes == 30.0
     assert make(eviction=EvictionPolicy(kind="l2", l2_threshold=0.1)).eviction.kind.value == "l2"
+    spaced = EvictionPolicy(kind="lfu", count_threshold=2, count_decay=0.5, trigger="free_memory",
+                            free_memory_bytes=1 << 30, interval_steps=100)  # (it spaces the memory checks)
+    assert make(eviction=spaced).eviction.interval_steps == 100
 
 
 def test_an_untested_stack_is_warned_about(monkeypatch, caplog):

@@ -50,11 +50,14 @@ class EvictionPolicy:
     ``feature_score`` keeps a score per row, in its header's count field (a float, as upstream):
     each training lookup adds the scores of the id's occurrences - ``feature_scores[feature]``
     when given (TorchRec's automatic collection; ``default_feature_score`` for the features it
-    lacks), else the batch's KJT weights, which then never scale an output. A pass first decays
-    every score by ``count_decay``, then drops the lowest, as fbgemm chooses them: scores fall
-    into ``score_buckets`` buckets of ``score_bucket_width`` (bucket 0 holds the zeros), and the
-    rows of the lowest buckets that leave at most ``keep_rows`` go (every zero-score row, when
-    those alone are enough; a bucket's worth more than needed otherwise).
+    lacks), else the batch's KJT weights, which then never scale an output. A pass drops the
+    lowest scores, as fbgemm chooses them: scores fall into ``score_buckets`` buckets of
+    ``score_bucket_width`` (bucket 0 holds the zeros), and the rows of the lowest buckets that
+    leave at most ``keep_rows`` go (every zero-score row, when those alone are enough; a
+    bucket's worth more than needed otherwise). The pass also decays every score by
+    ``count_decay`` before comparing it with that cut: at every pass, or with
+    ``decay_interval_minutes`` at most once in that much wall-clock time (fbgemm's
+    ``interval_for_feature_statistics_decay_s``, a day under TorchRec).
 
     A budget (``max_rows`` and/or ``max_bytes`` per table shard) is enforced before every
     insert: the policy's least valuable rows go first (oldest timestamp for ``lru``, ``ttl`` and
@@ -88,6 +91,7 @@ class EvictionPolicy:
     default_feature_score: float | None = None
     score_bucket_width: float = 0.2
     score_buckets: int = 1_000_000
+    decay_interval_minutes: float | None = None
 
     def validate(self, table: str) -> "EvictionPolicy":
         def fail(problem: str):
@@ -137,10 +141,34 @@ class EvictionPolicy:
         if trigger is not EvictionTrigger.INTERVAL and kind in (EvictionKind.NONE, EvictionKind.LRU):
             fail(f"eviction.trigger '{trigger.value}' starts a pass of a ttl, lfu, l2 or feature_score policy; "
                  f"kind '{kind.value}' has none")
-        if not 0.0 < float(self.count_decay) <= 1.0:
-            fail(f"eviction.count_decay must be in (0, 1], got {self.count_decay!r}")
+        if not (_finite(self.count_decay) and 0.0 < self.count_decay <= 1.0):
+            fail(f"eviction.count_decay must be in (0, 1], a number, got {self.count_decay!r}")
+        self._unused(kind, trigger, fail)
         scores = self._scores(kind, fail)
         return dataclasses.replace(self, kind=kind, trigger=trigger, count_decay=float(self.count_decay), **scores)
+
+    def _unused(self, kind: EvictionKind, trigger: EvictionTrigger, fail) -> None:
+        """Refuse the fields set away from their defaults that the kind and trigger never read."""
+        passes = kind in (EvictionKind.TTL, EvictionKind.LFU, EvictionKind.L2, EvictionKind.FEATURE_SCORE)
+        if self.count_decay != 1.0 and kind not in (EvictionKind.LFU, EvictionKind.FEATURE_SCORE):
+            fail(f"eviction.count_decay has no effect with eviction.kind '{kind.value}' (it decays lfu counts "
+                 "and feature scores); drop it")
+        if self.interval_steps != 1 and not (passes and trigger in (EvictionTrigger.INTERVAL,
+                                                                     EvictionTrigger.FREE_MEMORY)):
+            fail(f"eviction.interval_steps has no effect with eviction.kind '{kind.value}' and trigger "
+                 f"'{trigger.value}' (it spaces the passes of the interval and free_memory triggers); drop it")
+        if kind is not EvictionKind.FEATURE_SCORE:
+            for name in ("score_bucket_width", "score_buckets", "decay_interval_minutes"):
+                if getattr(self, name) != _DEFAULTS[name]:
+                    fail(f"eviction.{name} has no effect with eviction.kind '{kind.value}'; drop it or "
+                         "use kind 'feature_score'")
+        minutes = self.decay_interval_minutes
+        if minutes is not None:
+            if not (_finite(minutes) and minutes > 0):
+                fail(f"eviction.decay_interval_minutes must be a positive number, got {minutes!r}")
+            if self.count_decay == 1.0:
+                fail("eviction.decay_interval_minutes spaces the decays of count_decay, which is 1.0 (none); "
+                     "drop it or set count_decay below 1")
 
     def _scores(self, kind: EvictionKind, fail) -> dict:
         """The feature-score fields, checked (``feature_scores`` as sorted pairs)."""
@@ -191,6 +219,11 @@ class EvictionPolicy:
         return self.default_feature_score
 
     @property
+    def scores_from_weights(self) -> bool:
+        """Whether the table's feature scores are the batches' KJT weights."""
+        return EvictionKind(self.kind) is EvictionKind.FEATURE_SCORE and self.feature_scores is None
+
+    @property
     def enabled(self) -> bool:
         return EvictionKind(self.kind) is not EvictionKind.NONE
 
@@ -213,6 +246,9 @@ class EvictionPolicy:
                     f"least {least}, or give a budget per shard (eviction.{own})")
             limits[own] = share if getattr(self, own) is None else min(getattr(self, own), share)
         return dataclasses.replace(self, table_max_rows=None, table_max_bytes=None, **limits)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EvictionPolicy)}
 
 
 def _finite(value) -> bool:

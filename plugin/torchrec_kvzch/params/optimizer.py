@@ -52,6 +52,11 @@ class OptimizerKind(str, enum.Enum):
                 OptimizerKind.ADAM: (("momentum1", 0, dim), ("momentum2", dim, dim)),
                 OptimizerKind.PARTIAL_ROWWISE_ADAM: (("momentum1", 1, dim), ("momentum2", 0, 1))}[self]
 
+    @property
+    def adam(self) -> bool:
+        """Whether it reads ``beta1`` / ``beta2``."""
+        return self in (OptimizerKind.ADAM, OptimizerKind.PARTIAL_ROWWISE_ADAM)
+
     def to_fbgemm(self):
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
 

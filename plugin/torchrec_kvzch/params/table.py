@@ -70,7 +70,7 @@ class KVZCHTableParams:
     device_cache: DeviceCache = field(default_factory=DeviceCache)  # on CUDA: rows in host memory, a GPU cache
     checkpoint_chunk_rows: int = 65536
     expected_rows: int = 1_000_000  # live rows over all ranks; sizes the planner's DRAM estimate
-    # The optimizer fields left unset (filled with defaults): the sharders' fused params may set them.
+    # The optimizer fields the table does not set itself (defaults; the sharders' fused params may set them).
     defaulted: frozenset[str] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -98,7 +98,8 @@ class KVZCHTableParams:
                  "pass a bool")
         for name in ("learning_rate", "eps"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and value > 0):
                 fail(name, f"must be a positive finite number, got {value!r}", "e.g. 0.01")
         object.__setattr__(self, "weight_decay_mode", WeightDecayMode.parse(self.weight_decay_mode, self.name))
         decay = self.weight_decay
@@ -112,6 +113,12 @@ class KVZCHTableParams:
             beta = getattr(self, name)
             if not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 <= beta < 1):
                 fail(name, f"must be a number in [0, 1), got {beta!r}", "e.g. 0.9 for beta1, 0.999 for beta2")
+            if name not in self.defaulted and not self.optimizer.adam:
+                fail(name, f"has no effect with optimizer {self.optimizer.value} (it is Adam's moment decay)",
+                     "drop it, or use optimizer adam or partial_row_wise_adam")
+        for name in ("enable_optimizer_offloading", "backend_return_whole_row"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, f"must be True or False, got {getattr(self, name)!r}", "pass a bool")
         low, high = pair(self.init_range, "init_range", fail)
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
             fail("init_range", f"must be finite (low, high) with low < high, got {self.init_range!r}",
@@ -144,8 +151,9 @@ class KVZCHTableParams:
                  "device cache CUDA ones", "keep one: device_cache on GPUs, storage on CPU ranks")
         if self.init_seed is None:
             object.__setattr__(self, "init_seed", zlib.crc32(self.name.encode()))
-        elif not isinstance(self.init_seed, int):
-            fail("init_seed", f"must be an integer or None, got {self.init_seed!r}", "e.g. 0")
+        elif not (isinstance(self.init_seed, int) and not isinstance(self.init_seed, bool)
+                  and -(1 << 55) <= self.init_seed < 1 << 55):
+            fail("init_seed", f"must be an integer in [-2^55, 2^55) or None, got {self.init_seed!r}", "e.g. 0")
 
     def _fail(self, field_name: str, problem: str, fix: str):
         raise ValueError(f"KV-ZCH table '{self.name}': {field_name} {problem}; fix: {fix}")

@@ -11,8 +11,9 @@ Decisions, per distinct id of a batch that has no row yet, with ``c`` its sighti
 and ``n`` its count after them:
 
 * ``count``: admitted when ``n >= min_count``;
-* ``probability``: admitted when ``u(id, n) < 1 - (1 - p)^c``, ``u`` a uniform in [0, 1) hashed
-  from the id, ``n`` and the seed: one draw per batch standing for the batch's ``c`` sightings.
+* ``probability``: admitted when ``u(id, step) < 1 - (1 - p)^c``, ``u`` a uniform in [0, 1)
+  hashed from the id, the training step (the store's clock) and the seed: one fresh draw per
+  batch standing for the batch's ``c`` sightings (not keyed on ``n``, which stops at 255).
 
 Ids with a row are never filtered. Everything is a function of the ids seen so far, in order,
 and the seed: the plain-Python model in ``tests/test_admission.py`` reproduces every decision.
@@ -60,12 +61,13 @@ class Admission:
         """The count at the sketch positions ``pos`` of ids: their smallest counter."""
         return torch.gather(self.counts, 1, pos).amin(0).long()
 
-    def admit(self, ids: torch.Tensor, has_row: torch.Tensor) -> torch.Tensor:
-        """Count the sightings of the batch ``ids`` that have no row yet (``has_row`` False) and
-        return, per position, whether the id may use a row: it has one, or is admitted now."""
+    def admit(self, ids: torch.Tensor, has_row: torch.Tensor, step: int) -> torch.Tensor | None:
+        """Count the sightings of the batch ``ids`` of training step ``step`` that have no row yet
+        (``has_row`` False) and return, per position, whether the id may use a row: it has one,
+        or is admitted now (None: every id may)."""
         new = ids[~has_row]
         if new.numel() == 0:
-            return torch.ones_like(has_row)
+            return None
         uniq, inverse, seen = torch.unique(new, return_inverse=True, return_counts=True)
         pos = self.positions(uniq)
         after = (self._counted(pos) + seen).clamp_(max=COUNT_MAX)
@@ -75,9 +77,11 @@ class Admission:
             ok = after >= self.policy.min_count
         else:
             chance = 1.0 - (1.0 - self.policy.probability) ** seen.double()
-            ok = unit_uniform(mix64(mix64(uniq ^ self._draw_salt) + after)) < chance
+            ok = unit_uniform(mix64(mix64(uniq ^ self._draw_salt) + int(step))) < chance
         admitted = int(ok.sum())
         self.totals += torch.tensor([admitted, uniq.numel() - admitted])
+        if bool(ok.all()):
+            return None
         out = has_row.clone()
         out[~has_row] = ok[inverse]
         return out

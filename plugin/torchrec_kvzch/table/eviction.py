@@ -48,6 +48,7 @@ import torch
 
 from torchrec_kvzch.params import EvictionKind, EvictionPolicy, EvictionTrigger
 from torchrec_kvzch.table.id_map import as_ids
+from torchrec_kvzch.table.shard_rows import batch_rows, locate, meta_parts, new_rows, shard_ids, shard_meta, shard_rows
 from torchrec_kvzch.table.layout import (
     decayed,
     meta_count,
@@ -174,11 +175,14 @@ class Evictor:
         self.time_source: Callable[[], float] = time.time  # seconds; for ttl_minutes
         self.available_memory: Callable[[], int] = _available_memory  # bytes; free_memory trigger
         self._step_times: collections.deque = collections.deque()  # (step, seconds), ascending
+        self._decayed_at: float | None = None  # seconds: the last decay, or the first training batch
 
     def before_insert(self, ids: torch.Tensor) -> int:
         """Run a due pass, then make room for the batch ``ids`` under the table's budget and the
         rank's; returns the number of rows evicted from this store and others."""
         held, self._loaded = (shard_rows(self.store) if self._loaded else None), False
+        if self._decayed_at is None and self.policy.decay_interval_minutes is not None:
+            self._decayed_at = self.time_source()  # (fbgemm counts from its start)
         evicted = self._own_policy(ids) if self.kind is not EvictionKind.NONE else 0
         if held is not None and self.max_rows is not None and held > self.max_rows:
             r = self.store.bucket_range
@@ -214,6 +218,7 @@ class Evictor:
         ends with): the next training lookup says what it evicts if the load left the shard,
         or the rank, past a budget."""
         self._loaded = True
+        self._step_times.clear()  # (of steps before the load: its rows count as touched at the next one)
         if self.shared is not None:
             self.shared.loaded = True
 
@@ -279,19 +284,35 @@ class Evictor:
                 store.row_cache.flush()
             norms = weight_norms(store.weights[: len(store)])
             return (norms if store.cache is None else torch.cat([norms, store.cache.tier.norm])) < policy.l2_threshold
-        if self.kind is not EvictionKind.TTL and policy.count_decay < 1.0:
+        # fbgemm sets a feature-score cut from the scores before the pass decays them, and
+        # compares the decayed ones with it.
+        before = meta_score(shard_meta(store)) if self.scored else None
+        if self.kind is not EvictionKind.TTL and policy.count_decay < 1.0 and self._decay_due():
             store.before_header_rewrite(decay=policy.count_decay)
-            for words in _meta_parts(store):
+            for words in meta_parts(store):
                 words.copy_(decayed(words, policy.count_decay, scores=self.scored))
         meta = shard_meta(store)
         if self.kind is EvictionKind.TTL:
             return self._past_ttl(meta)
         if self.scored:
-            return lowest_scores(meta_score(meta), policy.keep_rows, policy.score_bucket_width, policy.score_buckets)
+            return lowest_scores(before, policy.keep_rows, policy.score_bucket_width, policy.score_buckets,
+                                 meta_score(meta))
         rare = meta_count(meta) < policy.count_threshold
         if policy.ttl_steps is None and policy.ttl_minutes is None:
             return rare
         return rare & self._past_ttl(meta)
+
+    def _decay_due(self) -> bool:
+        """Whether this pass decays (``decay_interval_minutes``: once that long has passed
+        since the last decay, or since the first training batch)."""
+        minutes = self.policy.decay_interval_minutes
+        if minutes is None:
+            return True
+        now = self.time_source()
+        if self._decayed_at is not None and now - self._decayed_at < minutes * 60.0:
+            return False
+        self._decayed_at = now
+        return True
 
     def _past_ttl(self, meta: torch.Tensor) -> torch.Tensor:
         stamps = meta_timestamp(meta)
@@ -327,24 +348,26 @@ _PASS_KINDS = (EvictionKind.TTL, EvictionKind.LFU, EvictionKind.L2, EvictionKind
 _ZERO_SCORE = 1e-9  # (fbgemm's: a score below it is none)
 
 
-def lowest_scores(scores: torch.Tensor, keep: int, width: float, buckets: int) -> torch.Tensor:
+def lowest_scores(scores: torch.Tensor, keep: int, width: float, buckets: int,
+                  decayed: torch.Tensor | None = None) -> torch.Tensor:
     """The rows a feature-score pass drops, chosen as fbgemm's ``FeatureScoreBasedEvict`` does:
     none if at most ``keep`` rows; every zero score if those alone leave at most ``keep``;
     else, with scores in buckets (0: zero; ``b``: ``[(b - 1) * width, b * width)``; the last
     also every higher score), the smallest ``b`` whose buckets up to it hold enough rows, and
-    every row scoring at most ``b * width`` goes."""
+    every row scoring below ``b * width`` goes. ``scores`` set the cut, which ``decayed`` (the
+    same rows after the pass's decay; default: ``scores``) are compared with."""
+    decayed = scores if decayed is None else decayed
     excess = scores.numel() - keep
-    zero = scores.abs() < _ZERO_SCORE
     if excess <= 0:
-        return torch.zeros_like(zero)
-    if int(zero.sum()) >= excess:
-        return zero
+        return torch.zeros(decayed.shape, dtype=torch.bool, device=decayed.device)
+    if int((scores.abs() < _ZERO_SCORE).sum()) >= excess:
+        return decayed.abs() < _ZERO_SCORE
     wide = scores.double()
-    bucket = torch.where(zero, 0, ((wide / width).long() + 1).clamp(max=buckets - 1))
+    bucket = torch.where(wide.abs() < _ZERO_SCORE, 0, ((wide / width).long() + 1).clamp(max=buckets - 1))
     bucket[wide >= buckets * width] = buckets - 1  # (also where the quotient overflowed int64)
     held = torch.bincount(bucket, minlength=buckets).cumsum(0)
     cut = max(1, int(torch.searchsorted(held, excess)))
-    return wide <= cut * width
+    return decayed.double() < cut * width
 
 
 def _available_memory() -> int:
@@ -357,42 +380,3 @@ def _available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-# -- a shard's rows as eviction sees them: those in DRAM by slot, then those on disk by tier entry
-def shard_rows(store) -> int:
-    return len(store) + (len(store.cache) if store.cache is not None else 0)
-
-
-def shard_ids(store) -> torch.Tensor:
-    return store.keys() if store.cache is None else torch.cat([store.keys(), store.cache.tier.keys()])
-
-
-def shard_meta(store) -> torch.Tensor:
-    return torch.cat(_meta_parts(store)) if store.cache is not None else store.meta[: len(store)]
-
-
-def _meta_parts(store) -> tuple[torch.Tensor, ...]:
-    """The header words of the shard's rows, writable in place: DRAM's, then the tier's."""
-    dram = store.meta[: len(store)]
-    return (dram,) if store.cache is None else (dram, store.cache.tier.meta)
-
-
-def locate(store, ids: torch.Tensor) -> torch.Tensor:
-    """Each id's index in the shard's rows, -1 where it has none."""
-    slots = store.find(ids)
-    if store.cache is None:
-        return slots
-    entries = store.cache.tier.index.find(ids)
-    return torch.where(slots >= 0, slots, torch.where(entries >= 0, entries + len(store), -1))
-
-
-def batch_rows(store, present: torch.Tensor) -> torch.Tensor:
-    """Mask over the shard's rows of those the batch looks up (never evicted for it)."""
-    protected = torch.zeros(shard_rows(store), dtype=torch.bool, device=store.device)
-    protected[present[present >= 0]] = True
-    return protected
-
-
-def new_rows(ids: torch.Tensor, present: torch.Tensor) -> int:
-    return int(torch.unique(ids[present < 0]).numel()) if ids.numel() else 0

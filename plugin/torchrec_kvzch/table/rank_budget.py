@@ -19,18 +19,8 @@ import weakref
 import torch
 
 from torchrec_kvzch.params import EvictionKind, RankBudget
-from torchrec_kvzch.table.eviction import (
-    Evictor,
-    batch_rows,
-    budget_bytes,
-    budget_rows,
-    least_valuable,
-    locate,
-    new_rows,
-    order_key,
-    shard_meta,
-    shard_rows,
-)
+from torchrec_kvzch.table.eviction import Evictor, budget_bytes, budget_rows, least_valuable, order_key
+from torchrec_kvzch.table.shard_rows import batch_rows, locate, new_rows, shard_meta, shard_rows
 from torchrec_kvzch.table.id_map import as_ids
 
 logger = logging.getLogger(__name__)

@@ -59,7 +59,7 @@ class Hyper:
 
 def runs_itself(params: KVZCHTableParams) -> bool:
     """Whether the table's update is ours rather than fbgemm's."""
-    return params.optimizer in (OptimizerKind.ADAM, OptimizerKind.PARTIAL_ROWWISE_ADAM) or (
+    return params.optimizer.adam or (
         params.optimizer is OptimizerKind.EXACT_ROWWISE_ADAGRAD and params.weight_decay > 0
         and params.weight_decay_mode is WeightDecayMode.L2)
 

@@ -7,13 +7,12 @@ take each row's id from its header and skip rows whose used bit is 0.
 
 Training goes through ``lookup_for_update``: it advances the store's clock, admits new ids
 (``admission.py``), runs eviction (``eviction.py``), and finds or creates the batch's rows. The fused
-update fbgemm's TBE writes in backward is announced with ``expect_update`` and ``update_started``: in
-between, no row may move, and a frozen snapshot copies the rows it will change (``pending.py``).
-Checkpoints read rows through snapshots (``snapshot.py``; frozen ones are ``pin``-ned: every change
-first lets them copy rows aside, and array swaps happen under ``lock``, as another thread may read
-them); incremental ones ask ``changes`` what changed since a ``mark``. With ``params.storage``, DRAM
-holds a bounded cache of the rows and the rest are on disk (``disk_cache.py``). With
-``params.device_cache``, a CUDA store's rows are in host memory under a GPU cache (``row_cache.py``).
+update of fbgemm's TBE is announced with ``expect_update`` and ``update_started``: in between, no row
+may move, and a frozen snapshot copies the rows it will change (``pending.py``). Checkpoints read
+rows through snapshots (``snapshot.py``; frozen ones are ``pin``-ned: every change first lets them
+copy rows aside; array swaps happen under ``lock``); incremental ones ask ``changes`` what changed
+since a ``mark``. ``params.storage``: DRAM caches rows on disk (``disk_cache.py``);
+``params.device_cache``: a CUDA store's rows are in host memory under a GPU cache (``row_cache.py``).
 """
 
 from __future__ import annotations
@@ -110,19 +109,22 @@ class RowStore:
         if self._pending and len(self) + ids.numel() > self.capacity:
             raise self._pending.refuse_growth(self.params.name, self.capacity)
         self.evictor.check_scores(scores)
-        self.clock += 1
-        ok = None
-        if self.admission is not None:
-            ids = as_ids(ids, self.device, check=False)  # range: checked by find
-            ok = self.admission.admit(ids, (self.find(ids) >= 0) | (self.cache is not None and self.cache.known(ids)))
-            ok = None if bool(ok.all()) else ok
-        admitted, scores = (ids, scores) if ok is None else (ids[ok], None if scores is None else scores[ok])
-        self.evictor.before_insert(admitted)  # over both tiers; its evict is refused under a pending update
-        if self.cache is not None:  # the batch's rows on disk come in; the coldest others go out
-            self.cache.before_lookup(admitted)
-        if ok is None:
-            return self.find_or_insert(admitted, scores=scores)
-        return torch.full_like(ids, -1).masked_scatter_(ok, self.find_or_insert(admitted, scores=scores))
+        self.clock, ok = self.clock + 1, None
+        try:  # a refusal (ids outside the shard, ...) comes before any row changes: undo the step
+            if self.admission is not None:
+                ids = as_ids(ids, self.device, check=False)  # range: checked by find
+                known = (self.find(ids) >= 0) | (self.cache is not None and self.cache.known(ids))
+                ok = self.admission.admit(ids, known, self.clock)  # (None: every id may use a row)
+            admitted, scores = (ids, scores) if ok is None else (ids[ok], None if scores is None else scores[ok])
+            self.evictor.before_insert(admitted)  # over both tiers; its evict is refused under a pending update
+            if self.cache is not None:  # the batch's rows on disk come in; the coldest others go out
+                self.cache.before_lookup(admitted)
+            if ok is None:
+                return self.find_or_insert(admitted, scores=scores)
+            return torch.full_like(ids, -1).masked_scatter_(ok, self.find_or_insert(admitted, scores=scores))
+        except Exception:
+            self.clock -= 1
+            raise
 
     def expect_update(self, slots: torch.Tensor) -> PendingUpdate:
         """A fused update will write the rows at ``slots`` (``pending.py``)."""
@@ -226,10 +228,9 @@ class RowStore:
         if missing.numel() and self.cache is not None:  # rows on disk, read where they are
             found, weights = self.cache.read(ids[missing], RowPart.WEIGHT)
             out[missing[found]], missing = weights.to(out.dtype), missing[~found]
-        if missing.numel() and absent is not None:
-            out[missing] = absent.to(out.dtype)
-        elif missing.numel():
-            out[missing] = self._initial_weights(out.new_empty(missing.numel(), out.shape[1]), ids[missing])
+        if missing.numel():
+            out[missing] = (absent.to(out.dtype) if absent is not None else
+                            self._initial_weights(out.new_empty(missing.numel(), out.shape[1]), ids[missing]))
         return out
 
     def mark(self) -> ChangeMark:
@@ -351,8 +352,7 @@ class RowStore:
                 self.row_cache.reset()
             self.id_map.reserve(self._reserved_map)
             self.changes.changed_untracked()
-            self.epoch += 1
-            # (a load keeps the reservation: no growth copies)
+            self.epoch += 1  # (below: a load keeps the reservation, no growth copies)
             self.weights, self.optimizer, self.meta = self._new_arrays(max(_MIN_ROWS, self._reserved)).tensors
 
     # -- internals ----------------------------------------------------------------------------

@@ -10,9 +10,9 @@ A KV-ZCH table with admission adds, beside its rows, one block per rank of each 
 
 The entries are views of the live state, so DCP saves them as they are and loads them in place
 when the checkpoint was saved at this world size with these buckets: a resume is exact. Saved
-at another world size, the blocks are merged (``merge``): the sketches add up (a count-min
-sketch is linear, so the sum counts every shard's sightings and still never undercounts; an id
-may be admitted sooner than it would have been), the totals go to rank 0, and each rank's
+at another world size, the blocks are merged (``merge``): the sketches add up (the sum counts
+every shard's sightings and never undercounts, but conservative updates are not linear: it is
+not the sketch one shard would have counted), the totals go to rank 0, and each rank's
 default row becomes the mean of the saved ones. A checkpoint without admission state loads with
 the admission state cleared: ids with rows are admitted, the others start counting.
 """

@@ -190,7 +190,7 @@ class _Parser:
         tables = [self.table(self.merged(defaults, t), f"tables[{i}]", kind, lr, eps)
                   for i, t in enumerate(top["tables"])]
         ordinary = [t.name for t in tables if t.kvzch is None]
-        if ordinary and kind in (OptimizerKind.ADAM, OptimizerKind.PARTIAL_ROWWISE_ADAM):
+        if ordinary and kind.adam:
             self.fail("optimizer.type", f"{kind.value} would also train the ordinary tables {ordinary}, which "
                       "fbgemm's CPU TBE cannot (it has no Adam); set it in the KV-ZCH tables' kvzch blocks")
         seen_tables, seen_features = set(), {}

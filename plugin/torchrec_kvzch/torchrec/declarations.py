@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import os
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -37,7 +38,8 @@ from torchrec.modules.embedding_configs import (
     TimestampBasedEvictionPolicy,
 )
 
-from torchrec_kvzch.params import DiskStorage, EvictionPolicy, KVZCHTableParams, OptimizerKind, WeightDecayMode
+from torchrec_kvzch.params import (OPTIMIZER_DEFAULTS, DiskStorage, EvictionPolicy, KVZCHTableParams, OptimizerKind,
+                                   WeightDecayMode)
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +140,7 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
     optimizer = _optimizer_fields(name, fused_params or {})
     dtype = DTYPES[config.data_type]
     if explicit is not None:
-        return _merge(config, explicit, dtype, eviction, optimizer, fail)
+        return _merge(config, explicit, dtype, eviction, storage, optimizer, fail)
     if "eviction" in extras and eviction.enabled:
         fail(f"eviction is declared twice: the config's virtual_table_eviction_policy reads as "
              f"{eviction}, its KVZCHConstraints say {extras['eviction']}",
@@ -154,7 +156,8 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
         enable_optimizer_offloading=True,
         backend_return_whole_row=kernel != EmbeddingComputeKernel.SSD_VIRTUAL_TABLE.value,
         eviction=eviction, storage=storage, **optimizer)
-    return KVZCHTableParams(**{**fields, **extras})
+    own = frozenset(OPTIMIZER_DEFAULTS) - extras.keys()  # (fused params may carry betas for Adam tables elsewhere)
+    return KVZCHTableParams(**{**fields, **extras}, defaulted=own)
 
 
 def table_fused_params(fused_params: dict | None, sharding_or_constraints) -> dict:
@@ -166,10 +169,10 @@ def table_fused_params(fused_params: dict | None, sharding_or_constraints) -> di
     return fused if own is None else {**fused, "stochastic_rounding": own}
 
 
-def _merge(config, explicit: KVZCHTableParams, dtype: str, eviction: EvictionPolicy,
+def _merge(config, explicit: KVZCHTableParams, dtype: str, eviction: EvictionPolicy, storage,
            optimizer: dict, fail) -> KVZCHTableParams:
-    """``explicit`` with its unset optimizer fields from the sharders, after checking that the
-    config does not contradict it."""
+    """``explicit`` with its unset optimizer fields from the sharders and the disk tier its
+    kernel's ``KeyValueParams`` declare, after checking that the config does not contradict it."""
     if (config.embedding_dim, config.num_embeddings, config.total_num_buckets) != (
             explicit.embedding_dim, explicit.num_embeddings, explicit.total_num_buckets):
         fail(f"the config declares {config.num_embeddings} x {config.embedding_dim} in "
@@ -187,9 +190,14 @@ def _merge(config, explicit: KVZCHTableParams, dtype: str, eviction: EvictionPol
     if eviction.enabled and eviction != explicit.eviction:
         fail(f"the config's eviction policy reads as {eviction}, its KVZCHTableParams say "
              f"{explicit.eviction}", "declare eviction once: in the config or in KVZCHTableParams")
+    if storage.enabled and explicit.storage.enabled and storage != explicit.storage:
+        fail(f"its KeyValueParams declare a disk tier ({storage}), its KVZCHTableParams another "
+             f"({explicit.storage})", "declare the disk tier once: in KeyValueParams or in KVZCHTableParams.storage")
     unset = explicit.defaulted or frozenset()
-    filled = {k: v for k, v in optimizer.items() if k in unset}
-    return dataclasses.replace(explicit, **filled, defaulted=unset - filled.keys())
+    filled = {k: v for k, v in optimizer.items() if k in unset}  # (still not the table's own)
+    if storage.enabled:
+        filled["storage"] = storage
+    return dataclasses.replace(explicit, **filled)
 
 
 def eviction_policy(table: str, policy, key_value_params=None) -> EvictionPolicy:
@@ -231,6 +239,9 @@ def eviction_policy(table: str, policy, key_value_params=None) -> EvictionPolicy
         fail(f"{kind} does not map to an eviction policy ({e})", "check its thresholds")
 
 
+_DECAY_MINUTES = 24 * 60  # fbgemm's interval_for_feature_statistics_decay_s, which TorchRec leaves at its default
+
+
 def _feature_score(policy, key_value_params, fail) -> dict:
     """``FeatureScoreBasedEvictionPolicy`` as fbgemm runs it: a TTL instead of scores when
     ``eviction_ttl_mins`` is set; scores per feature with automatic collection, else the KJT's
@@ -248,6 +259,7 @@ def _feature_score(policy, key_value_params, fail) -> dict:
              "set the rows to keep per table shard")
     config = getattr(key_value_params, "kvzch_tbe_config", None) or KVZCHTBEConfig()
     rule = dict(kind="feature_score", keep_rows=policy.training_id_keep_count, count_decay=policy.decay_rate,
+                decay_interval_minutes=_DECAY_MINUTES if policy.decay_rate < 1.0 else None,
                 score_bucket_width=getattr(config, "threshold_calculation_bucket_stride", 0.2),  # (older fbgemm:
                 score_buckets=getattr(config, "threshold_calculation_bucket_num", None) or 1_000_000)  # its defaults)
     if policy.enable_auto_feature_score_collection:
@@ -301,11 +313,15 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
         if key == "optimizer":
             fields["optimizer"] = OptimizerKind.parse(getattr(value, "value", value), table)
         elif key in ("learning_rate", "eps", "weight_decay", "beta1", "beta2"):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                fail(f"fused param {key}={value!r} is not a number", f"pass a float, e.g. {key}=0.01")
             fields[key] = float(value)
         elif key == "weight_decay_mode":
             fields[key] = WeightDecayMode.parse(value, table)
         elif key == "stochastic_rounding":
-            fields[key] = bool(value)
+            if not isinstance(value, bool):
+                fail(f"fused param stochastic_rounding={value!r} is not a bool", "pass True or False")
+            fields[key] = value
         elif key in ("l2_cache_size", "kvzch_tbe_config"):
             fail(f"fused param '{key}' sets eviction triggers, which are read per table",
                  f"pass it as ParameterConstraints(key_value_params=KeyValueParams({key}=...))")

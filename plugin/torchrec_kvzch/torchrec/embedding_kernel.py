@@ -37,7 +37,7 @@ def _score_source(params: KVZCHTableParams, table: ShardedEmbeddingTable, weight
     policy = params.eviction
     if EvictionKind(policy.kind) is not EvictionKind.FEATURE_SCORE:
         return False
-    if policy.feature_scores is not None:
+    if not policy.scores_from_weights:
         return {f: policy.feature_score(f, params.name) for f in table.feature_names}
     if weighted:
         raise ValueError(

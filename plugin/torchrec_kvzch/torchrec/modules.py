@@ -87,6 +87,10 @@ def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict |
     for name, sharding in plan.items():
         kernel = sharding.compute_kernel
         if kernel not in VIRTUAL_KERNELS and kernel != STORE_KERNEL:
+            if getattr(by_name.get(name), "use_virtual_table", False):  # (TorchRec's stock planner on CPU)
+                raise ValueError(f"table '{name}' is declared use_virtual_table=True but planned on kernel "
+                                 f"'{kernel}', as an ordinary table (TorchRec's planner does so on CPU); plan "
+                                 "it with KVZCHShardingPlanner")
             continue
         explicit = sharding.kvzch if isinstance(sharding, KVZCHParameterSharding) else None
         if explicit is None and kernel == STORE_KERNEL:
@@ -119,7 +123,9 @@ class _KVZCHModuleMixin:
         # TorchRec leaves CUSTOMIZED_KERNEL tables out of its state dict; ours add them.
         self._register_state_dict_hook(_add_kvzch_entries)
         self._register_load_state_dict_pre_hook(_take_kvzch_entries, with_module=True)
-        self._check_batch = BatchChecker(getattr(self, self._configs_attr))
+        scored = {t for t, ps in self.module_sharding_plan.items()  # (their KJT weights are scores: >= 0)
+                  if getattr(ps, "kvzch", None) is not None and ps.kvzch.eviction.scores_from_weights}
+        self._check_batch = BatchChecker(getattr(self, self._configs_attr), scored)
 
     def input_dist(self, ctx, features, *args, **kwargs):
         # A store makes rows of whatever ids arrive: refuse a bad batch before it is routed.

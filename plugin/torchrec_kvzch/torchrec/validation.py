@@ -19,8 +19,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
 class BatchChecker:
-    def __init__(self, configs) -> None:
-        """``configs``: the module's TorchRec table configs (name, num_embeddings, feature_names)."""
+    def __init__(self, configs, scored: set[str] = frozenset()) -> None:
+        """``configs``: the module's TorchRec table configs (name, num_embeddings, feature_names);
+        ``scored``: the tables whose feature scores are the KJT's weights."""
+        self.scored = {f for c in configs if c.name in scored for f in c.feature_names}
         self.table_of = {f: c.name for c in configs for f in c.feature_names}
         self.rows_of = {f: c.num_embeddings for c in configs for f in c.feature_names}
         self.keys: list[str] | None = None  # the first batch's key order, which TorchRec routes by
@@ -40,6 +42,19 @@ class BatchChecker:
                     return False
             lo = hi
         return True
+
+    def _check_scores(self, keys: list[str], weights: torch.Tensor, per_key: list[int]) -> None:
+        """Feature scores must be >= 0 (fbgemm adds up ``|score|``): refused here, before any
+        table of the batch looks its ids up."""
+        lo = 0
+        for key, n in zip(keys, per_key):
+            bad = ~(weights[lo:lo + n] >= 0) if key in self.scored and n else None
+            if bad is not None and bool(bad.any()):
+                at = int(torch.nonzero(bad)[0])
+                raise ValueError(f"feature '{key}' (table '{self.table_of[key]}') has feature score "
+                                 f"{float(weights[lo + at])} at its id {at} (the KJT's weights are this "
+                                 "table's scores); scores must be >= 0")
+            lo += n
 
     def __call__(self, kjt: KeyedJaggedTensor) -> None:
         keys = kjt.keys()
@@ -73,6 +88,8 @@ class BatchChecker:
         if weights is not None and weights.numel() != values.numel():
             raise ValueError(f"the batch has {weights.numel()} weights for {values.numel()} ids of "
                              f"features {keys}; give one weight per id")
+        if weights is not None and self.scored:
+            self._check_scores(keys, weights, kjt.length_per_key())
         if values.numel() and not self._in_range(keys, values, kjt.length_per_key()):
             per_key = torch.tensor(kjt.length_per_key(), device=values.device)
             limits = torch.tensor([self.rows_of[k] for k in keys], device=values.device)

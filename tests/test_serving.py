@@ -132,6 +132,13 @@ def test_bad_input_names_the_table_and_changes_nothing():
         ServedTable("user", 8, "int4")
     with pytest.raises(ValueError, match=r"the row of id 1 exceeds fp16's range \(65504\); serve this table as fp32"):
         ServedTable("user", 8, "fp16").upsert(torch.tensor([1]), torch.full((1, 8), 7e4))
+    # int8 keeps a row's minimum (its bias) and scale in fp16: beyond its range they read as NaN.
+    for row in [torch.full((8,), 7e4), torch.tensor([-1e5] + [1.0] * 7), torch.linspace(0, 3e7, 8)]:
+        table = ServedTable("user", 8, "int8")
+        with pytest.raises(ValueError, match=r"the row of id 1 exceeds fp16's range \(65504\), which int8 rows "
+                                             r"keep their scale and bias in; serve this table as fp32"):
+            table.upsert(torch.tensor([1]), row[None])
+        assert len(table) == 0
     with pytest.raises(ValueError, match="embedding_dim 7 is odd"):
         ServedTable("user", 7, "int8")
     with pytest.raises(ValueError, match="per-sample weights need a pooled table"):

@@ -250,8 +250,10 @@ class ServedTable:
 
     def _check_values(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Rows that would be served wrong are refused before anything changes: values that are
-        not finite, or beyond fp16's range in an fp16 table (they would read as inf)."""
-        limit = 65504.0 if self.dtype == "fp16" else float("inf")
+        not finite, or beyond fp16's range in an fp16 or int8 table (they would read as inf, or
+        NaN: an int8 row keeps its bias, the row's minimum, and scale in fp16, and CUDA's int8
+        kernel dequantizes in half precision)."""
+        limit = float("inf") if self.dtype == "fp32" else 65504.0
         if not weights.numel():
             return
         # Fast (one pass, strided views too): a row's norm is NaN or inf where a value is, and
@@ -264,7 +266,9 @@ class ServedTable:
         if bad.numel():
             i = int(bad[0])
             problem = ("is not finite" if not bool(weights[i].isfinite().all())
-                       else "exceeds fp16's range (65504); serve this table as fp32")
+                       else "exceeds fp16's range (65504)"
+                       + (", which int8 rows keep their scale and bias in" if self.dtype == "int8" else "")
+                       + "; serve this table as fp32")
             raise ValueError(f"served table '{self.name}': the row of id {int(ids[i])} {problem} "
                              f"({bad.numel()} such row(s) in this update); nothing was changed")
 

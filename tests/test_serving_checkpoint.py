@@ -222,6 +222,10 @@ def test_a_model_that_does_not_match_the_checkpoint_is_refused_by_name(pools, tm
     with pytest.raises(ValueError, match=r"KV-ZCH table 't' was saved with embedding_dim 8, the model has 16"):
         served_model(net, tmp_path)
     assert isinstance(net.ebc, EmbeddingBagCollection)
+    for field, saved, declared in [("num_embeddings", BUCKETS * BUCKET_SIZE, BUCKETS * 2**20), ("buckets", BUCKETS, 3)]:
+        with pytest.raises(ValueError, match=rf"KV-ZCH table 't' was saved with \w*{field} {saved}, the model has "
+                                             rf"{declared}: serve the model it was trained with"):
+            served_model(test_resume.Net(test_resume.table_params("ttl", **{field: declared})), tmp_path)
     extra = test_resume.Net(test_resume.table_params("ttl"))
     extra.ebc = EmbeddingBagCollection(tables=extra.ebc.embedding_bag_configs() + [EmbeddingBagConfig(
         name="other", embedding_dim=8, num_embeddings=10, feature_names=["f_other"])], device=torch.device("meta"))

@@ -123,10 +123,11 @@ def _served_module(chain: list[Link], prefix: str, path: str, module, options: S
         dtype = options.dtype_of(config.name)
         if config.name in chain[-1].tables:
             saved = find_table(chain[-1], config.name)
-            if saved.saved.embedding_dim != config.embedding_dim:
-                raise ValueError(f"{chain[-1].path}: KV-ZCH table '{config.name}' was saved with embedding_dim "
-                                 f"{saved.saved.embedding_dim}, the model has {config.embedding_dim}: serve the "
-                                 "model it was trained with")
+            for field in ("embedding_dim", "num_embeddings", "total_num_buckets"):  # (the ids it serves)
+                if getattr(saved.saved, field) != getattr(config, field, None):
+                    raise ValueError(f"{chain[-1].path}: KV-ZCH table '{config.name}' was saved with {field} "
+                                     f"{getattr(saved.saved, field)}, the model has {getattr(config, field, None)}: "
+                                     "serve the model it was trained with")
             if saved.base != fqn:
                 raise ValueError(f"{chain[-1].path}: KV-ZCH table '{config.name}' was saved as "
                                  f"'{saved.base}weight', the model has it as '{fqn}weight'"

@@ -9,11 +9,13 @@ The model, its training and its damage are test_resume's.
 
 import dataclasses
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 from hypothesis import example, given, settings, strategies as st
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -132,6 +134,21 @@ def test_a_replica_reads_only_the_chunks_of_its_buckets_and_refuses_damage_in_th
         build_table(chain, "t")
     served = build_table(chain, "t", buckets=(0, BUCKETS // 2))
     assert len(served) > 0 and served.id_range == (0, BUCKETS // 2 * BUCKET_SIZE)
+    # A flip in an item's zip header (its extra field's length) fails torch.load itself (an
+    # IndexError): a ValueError naming the file and the entry all the same.
+    header = tmp_path / "header"
+    shutil.copytree(root / f"step-{step:08d}", header / f"step-{step:08d}")
+    storage = FileSystemReader(str(header / f"step-{step:08d}")).read_metadata().storage_data
+    index = min((i for i in storage if i.fqn.endswith("embedding_bags.t.weight")), key=lambda i: tuple(i.offset))
+    target = header / f"step-{step:08d}" / storage[index].relative_path
+    with open(target, "r+b") as f:
+        f.seek(storage[index].offset + 28)
+        byte = f.read(1)
+        f.seek(storage[index].offset + 28)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    with pytest.raises(ValueError, match=rf"{target.name} is corrupt: reading 'model.ebc.embedding_bags.t.weight' "
+                                         r"failed \(\w+: .*\); restore the file or serve another checkpoint"):
+        build_table(CheckpointSource(header).chain(step), "t")
 
 
 def test_bad_requests_name_the_table_and_the_fix(pools, tmp_path):

@@ -174,6 +174,10 @@ class Link:
         except ValueError as e:
             raise ValueError(f"{self._where(index)} is damaged ({e}); restore it or serve another "
                              "checkpoint") from e
+        except Exception as e:  # (torch.load of a damaged item: IndexError, UnpicklingError, RuntimeError...)
+            first = str(e).strip().split(". ")[0]  # (not the advice to trust the file that torch.load gives)
+            raise ValueError(f"{self._where(index)} is corrupt: reading {self._describe(index.fqn)} failed "
+                             f"({type(e).__name__}: {first}); restore the file or serve another checkpoint") from e
         self._verify(index, value)
         return value
 

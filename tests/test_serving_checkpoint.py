@@ -360,3 +360,8 @@ def test_served_collections_answer_as_the_trained_ones(pools, tmp_path, case):
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if case.get("weighted"):  # a batch without its weights is refused, as TorchRec's weighted EBC refuses it
+        bare = KeyedJaggedTensor(probe.keys(), probe.values(), lengths=probe.lengths())
+        with pytest.raises(ValueError, match=r"ServedEmbeddingBagCollection: the module is weighted "
+                                             r"\(is_weighted=True\) and the batch has no weights"):
+            served(bare)

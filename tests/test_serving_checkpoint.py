@@ -256,6 +256,17 @@ def test_a_model_that_does_not_match_the_checkpoint_is_refused_by_name(pools, tm
     with pytest.raises(ValueError, match=r"ServingOptions.buckets names 'plain', which is not a KV-ZCH table"):
         served_model(test_resume.Net(test_resume.table_params("ttl")), tmp_path,
                      options=ServingOptions(buckets={"plain": (0, 1)}))
+    kv = {t.name: t for t in test_resume.table_params("ttl")}
+    for params, match in [({**kv, "plain": kv["t"]}, r"ServingOptions.kvzch names 'plain', which is not a KV-ZCH "
+                                                      r"table of both the model and the checkpoint; those: \['t', 'u'\]"),
+                          ({"t": kv["u"], "u": kv["u"]}, r"ServingOptions.kvzch\['t'\] holds the parameters of table "
+                                                         r"'u'; key each table's parameters by its own name")]:
+        with pytest.raises(ValueError, match=match):
+            served_model(test_resume.Net(test_resume.table_params("ttl")), tmp_path,
+                         options=ServingOptions(default="initial", kvzch=params))
+    with pytest.raises(FileNotFoundError, match=r"step-00000005 is not a complete checkpoint \(no .metadata\); "
+                                                r"complete ones under .*: \[2, 4, 6\]"):
+        served_model(test_resume.Net(test_resume.table_params("ttl")), tmp_path, step=5)
     served, _ = served_model(test_resume.Net(test_resume.table_params("ttl")), tmp_path)
     odd = KeyedJaggedTensor(keys=["f_t", "f_x"], values=torch.tensor([1, 2]), lengths=torch.ones(2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"unknown features \['f_x'\]; no feature \['f_u', 'f_plain'\]; this module "

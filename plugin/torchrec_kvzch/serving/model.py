@@ -71,6 +71,13 @@ class ServingOptions:
                                  f"checkpoint; its KV-ZCH tables: {sorted(kv_tables)}")
         if self.default not in DEFAULTS:
             raise ValueError(f"ServingOptions.default {self.default!r} is unknown; use one of {', '.join(DEFAULTS)}")
+        for name, params in (self.kvzch or {}).items():  # (parameters no table reads: a typo, or another model's)
+            if name not in kv_tables & tables:
+                raise ValueError(f"ServingOptions.kvzch names '{name}', which is not a KV-ZCH table of both the model "
+                                 f"and the checkpoint; those: {sorted(kv_tables & tables)}")
+            if getattr(params, "name", name) != name:
+                raise ValueError(f"ServingOptions.kvzch['{name}'] holds the parameters of table '{params.name}'; "
+                                 "key each table's parameters by its own name")
         missing = sorted((kv_tables & tables) - set(self.kvzch or {}))
         if self.default == "initial" and missing:
             raise ValueError(f"ServingOptions.default 'initial' reads each KV-ZCH table's initializer; "

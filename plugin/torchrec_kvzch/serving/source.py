@@ -216,14 +216,19 @@ class CheckpointSource:
     def chain(self, step: int) -> list[Link]:
         """The links that restore ``step``, its full checkpoint first, each named base checked
         (``CheckpointManager.chain``)."""
+        self._complete(step)
         return [Link(self._manager.path(s), s) for s in self._manager.chain(step)]
 
     def path(self, step: int) -> Path:
         return self._manager.path(step)
 
     def link(self, step: int) -> Link:
+        return Link(self._complete(step), step)
+
+    def _complete(self, step: int) -> Path:
+        """The folder of ``step``, refused (listing the complete ones) unless it is complete."""
         path = self._manager.path(step)
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); complete ones "
                                     f"under {self.root}: {self.steps()}")
-        return Link(path, step)
+        return path

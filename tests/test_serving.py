@@ -139,6 +139,12 @@ def test_bad_input_names_the_table_and_changes_nothing():
                                              r"keep their scale and bias in; serve this table as fp32"):
             table.upsert(torch.tensor([1]), row[None])
         assert len(table) == 0
+    # An fp16-stored table's unseen ids read its initial weights rounded to fp16, as training stores them.
+    init = ServedTable("user", 8, initial=(-0.5, 0.5, 3)).weights(torch.tensor([9]))
+    fp16 = ServedTable("user", 8, initial=(-0.5, 0.5, 3, "fp16")).weights(torch.tensor([9]))
+    assert torch.equal(fp16, init.half().float()) and not torch.equal(fp16, init)
+    with pytest.raises(ValueError, match=r"initial \(0, 1, 3, 'int8'\) is not \(low, high, seed\)"):
+        ServedTable("user", 8, initial=(0, 1, 3, "int8"))
     with pytest.raises(ValueError, match="embedding_dim 7 is odd"):
         ServedTable("user", 7, "int8")
     with pytest.raises(ValueError, match="per-sample weights need a pooled table"):

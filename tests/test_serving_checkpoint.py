@@ -348,13 +348,15 @@ def trained_collection(rank, world, case, root):
 
 @pytest.mark.parametrize("case", [
     dict(pooling=None, dim=8, buckets=6, optimizer="exact_row_wise_adagrad", batch=5, max_len=4),
+    dict(pooling=None, dim=8, buckets=6, optimizer="exact_sgd", batch=5, max_len=4, weight_dtype="fp16"),
     dict(pooling="MEAN", dim=8, dim2=4, buckets=5, optimizer="exact_sgd", batch=5, max_len=4),
     dict(pooling="SUM", dim=4, dim2=16, buckets=7, optimizer="exact_row_wise_adagrad", batch=5, max_len=4,
          weighted=True),
     dict(pooling="MEAN", dim=4, dim2=8, buckets=5, optimizer="exact_sgd", batch=5, max_len=4, weighted=True),
-], ids=["sequence", "mean", "weighted", "weighted_mean"])
+], ids=["sequence", "sequence_fp16", "mean", "weighted", "weighted_mean"])
 def test_served_collections_answer_as_the_trained_ones(pools, tmp_path, case):
-    """An EmbeddingCollection (sequence) and EmbeddingBagCollections (MEAN; weighted SUM and MEAN) with
+    """An EmbeddingCollection (sequence; fp16-stored KV-ZCH tables too, whose unseen ids read
+    initial weights rounded to fp16 as training stores them) and EmbeddingBagCollections (MEAN; weighted SUM and MEAN) with
     KV-ZCH and ordinary tables, trained on 2 ranks: the served module itself (the model is the
     collection) gives the trained module's eval outputs - each row exact, pooled bags mixing
     rows and unseen ids' initial weights within rounding."""

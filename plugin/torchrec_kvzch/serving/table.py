@@ -94,9 +94,10 @@ class ServedTable:
     ``default_rows``: what an id without a row reads, ``[dim]`` or ``[k, dim]`` with
     ``default_starts`` (``[k]`` ascending ids, the first ``id_range[0]``; None: one zero row).
     ``id_range``: the ids this table serves, ``[lo, hi)`` (a replica of some buckets serves
-    theirs); a lookup of any other id is refused. ``initial``: ``(low, high, seed)`` of the
-    trained table's initializer: an id without a row reads the id-seeded weights a row of it
-    would start with, as training's evaluation does (``RowStore.peek``), instead of a default.
+    theirs); a lookup of any other id is refused. ``initial``: ``(low, high, seed[, weight_dtype])``
+    of the trained table's initializer and storage: an id without a row reads the id-seeded
+    weights a row of it would start with, as training's evaluation does (``RowStore.peek``;
+    rounded to fp16 where the table stored fp16 weights), instead of a default.
     ``device``: where the rows live and lookups run (CPU or CUDA); ``id_map``: the id map's
     backend (``IdMap``: ``auto`` is the native op on CPU, the GPU kernels on CUDA). Updates (``upsert``, ``delete``) change the table in place; a replica that must never show
     half an update builds the next version beside this one and swaps the reference."""
@@ -104,7 +105,7 @@ class ServedTable:
     def __init__(self, name: str, dim: int, dtype: str = "fp32", pooling: str = "sum",
                  default_rows: torch.Tensor | None = None, capacity: int = 0, *,
                  default_starts: torch.Tensor | None = None, id_range: tuple[int, int] = (0, 2**63 - 1),
-                 initial: tuple[float, float, int] | None = None, device: torch.device | str = "cpu",
+                 initial: tuple | None = None, device: torch.device | str = "cpu",
                  id_map: str = "auto") -> None:
         def fail(problem: str) -> None:
             raise ValueError(f"served table '{name}': {problem}")
@@ -141,7 +142,10 @@ class ServedTable:
             fail(f"default_starts {starts.tolist()} must ascend from the first id served, {lo}")
         if initial is not None and (starts.numel() != 1 or bool(default_rows.any())):
             fail("initial weights for ids without a row leave no room for default rows; give one or the other")
-        self.initial = None if initial is None else (float(initial[0]), float(initial[1]), int(initial[2]))
+        if initial is not None and (len(initial) not in (3, 4) or (initial[3:] or ("fp32",))[0] not in ("fp32", "fp16")):
+            fail(f"initial {initial!r} is not (low, high, seed) or (low, high, seed, weight_dtype 'fp32' or 'fp16')")
+        self.initial = None if initial is None else (float(initial[0]), float(initial[1]), int(initial[2]),
+                                                     (initial[3:] or ("fp32",))[0])
         self.default_starts = starts.to(device).contiguous()
         self.defaults = starts.numel()  # the rows before the first id's
         self._native = native_status() and device.type == "cpu"  # (the native ops run on CPU)
@@ -348,10 +352,12 @@ class ServedTable:
         what training's evaluation pools; a bag of one id is exact.)"""
         if self.initial is None:
             return None
-        low, high, seed = self.initial
+        low, high, seed, stored = self.initial
         ids = ids.reshape(-1).to(self.device, torch.long)
         init = (torch.ops.kvzch.uniform_by_id(ids, self.dim, low, high, seed) if self._native  # (both export)
                 else uniform_by_id_torch(ids, self.dim, low, high, seed))
+        if stored == "fp16":  # (training writes a new row's weights into fp16 storage: rounded)
+            init = init.half().float()
         return self._encoded(init * (rows < self.defaults).unsqueeze(1))
 
     def _pool(self, dev_weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,

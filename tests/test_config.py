@@ -118,6 +118,22 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
      "tables[0] (t).kvzch.optimizer: 'lamb' is not supported (upstream's KV-ZCH tables train with these alone)"),
     ("tables:\n" + GOOD_TABLE + "    kvzch: {total_num_buckets: 16, optimizer: adam, beta1: 1.5}\n",
      "tables[0] (t).kvzch: KV-ZCH table 't': beta1 must be a number in [0, 1)"),
+    ("tables:\n" + GOOD_TABLE + "    num_embeddings: 0\n",
+     "tables[0] (t).num_embeddings: expected a positive integer, got 0"),
+    ("tables:\n" + GOOD_TABLE.replace("8", "0") + "    num_embeddings: 10\n",
+     "tables[0] (t).embedding_dim: expected a positive integer, got 0"),
+    ("tables:\n" + GOOD_TABLE.replace("name: t", "name: 123") + "    num_embeddings: 10\n",
+     "tables[0] (123).name: expected a non-empty string (quote one YAML reads otherwise), got 123"),
+    ("tables:\n" + GOOD_TABLE.replace("name: t", "name: ''") + "    num_embeddings: 10\n",
+     "tables[0] ().name: expected a non-empty string"),
+    ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    planner: {compute_kernels: [bogus]}\n",
+     "tables[0] (t).planner.compute_kernels[0]: 'bogus' is not allowed; use one of dense, fused"),
+    ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    planner: {pooling_factors: 3}\n",
+     "tables[0] (t).planner.pooling_factors: expected a list, got 3; write [3]"),
+    ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    planner: {pooling_factors: [0]}\n",
+     "tables[0] (t).planner.pooling_factors[0]: expected a positive number, got 0"),
+    ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    planner: {sharding_types: row_wise}\n",
+     "tables[0] (t).planner.sharding_types: expected a list, got 'row_wise'; write [row_wise]"),
 ])
 def test_bad_configs_name_file_key_and_fix(tmp_path, text, fragment):
     path = tmp_path / "bad.yaml"

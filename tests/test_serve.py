@@ -73,10 +73,13 @@ def test_bad_requests_name_the_example_and_field(server):
     good = fixed_batch()[0]
     cases = [
         ({"examples": [good, {**good, "sparse": {"user_idd": [1]}}]}, "example 1: 'sparse' has unknown features ['user_idd']"),
-        ({"examples": [{**good, "dense": [1.0]}]}, "example 0: 'dense' must be 13 numbers"),
+        ({"examples": [{**good, "dense": [1.0]}]}, "example 0: 'dense' must be 13 finite numbers"),
         ({"examples": [{**good, "sparse": {"user_id": [-3]}}]}, "example 0: feature 'user_id' must be a list of non-negative"),
         ({"examples": []}, 'the body must be {"examples": [...]}'),
-        ({"examples": [{**good, "sparse": {"category": [5000]}}]}, "served table 'category': id 5000"),
+        ({"examples": [good, {**good, "sparse": {"category": [3, 5000]}}]},
+         "example 1: feature 'category': id 5000 is outside its table 'category', whose ids are [0, "),
+        ({"examples": [{**good, "dense": [float("nan")] + good["dense"][1:]}]}, "example 0: 'dense' must be 13 finite numbers"),
+        ({"examples": [good, {**good, "dense": good["dense"][:-1] + [float("inf")]}]}, "example 1: 'dense' must be 13 finite"),
     ]
     for payload, message in cases:
         code, reply = request(url + "/predict", payload)

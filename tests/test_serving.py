@@ -132,6 +132,19 @@ def test_bad_input_names_the_table_and_changes_nothing():
         ServedTable("user", 8, "int4")
     with pytest.raises(ValueError, match=r"the row of id 1 exceeds fp16's range \(65504\); serve this table as fp32"):
         ServedTable("user", 8, "fp16").upsert(torch.tensor([1]), torch.full((1, 8), 7e4))
+    # int8 keeps a row's minimum (its bias) and scale in fp16: beyond its range they read as NaN.
+    for row in [torch.full((8,), 7e4), torch.tensor([-1e5] + [1.0] * 7), torch.linspace(0, 3e7, 8)]:
+        table = ServedTable("user", 8, "int8")
+        with pytest.raises(ValueError, match=r"the row of id 1 exceeds fp16's range \(65504\), which int8 rows "
+                                             r"keep their scale and bias in; serve this table as fp32"):
+            table.upsert(torch.tensor([1]), row[None])
+        assert len(table) == 0
+    # An fp16-stored table's unseen ids read its initial weights rounded to fp16, as training stores them.
+    init = ServedTable("user", 8, initial=(-0.5, 0.5, 3)).weights(torch.tensor([9]))
+    fp16 = ServedTable("user", 8, initial=(-0.5, 0.5, 3, "fp16")).weights(torch.tensor([9]))
+    assert torch.equal(fp16, init.half().float()) and not torch.equal(fp16, init)
+    with pytest.raises(ValueError, match=r"initial \(0, 1, 3, 'int8'\) is not \(low, high, seed\)"):
+        ServedTable("user", 8, initial=(0, 1, 3, "int8"))
     with pytest.raises(ValueError, match="embedding_dim 7 is odd"):
         ServedTable("user", 7, "int8")
     with pytest.raises(ValueError, match="per-sample weights need a pooled table"):

@@ -9,11 +9,13 @@ The model, its training and its damage are test_resume's.
 
 import dataclasses
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 from hypothesis import example, given, settings, strategies as st
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -132,6 +134,21 @@ def test_a_replica_reads_only_the_chunks_of_its_buckets_and_refuses_damage_in_th
         build_table(chain, "t")
     served = build_table(chain, "t", buckets=(0, BUCKETS // 2))
     assert len(served) > 0 and served.id_range == (0, BUCKETS // 2 * BUCKET_SIZE)
+    # A flip in an item's zip header (its extra field's length) fails torch.load itself (an
+    # IndexError): a ValueError naming the file and the entry all the same.
+    header = tmp_path / "header"
+    shutil.copytree(root / f"step-{step:08d}", header / f"step-{step:08d}")
+    storage = FileSystemReader(str(header / f"step-{step:08d}")).read_metadata().storage_data
+    index = min((i for i in storage if i.fqn.endswith("embedding_bags.t.weight")), key=lambda i: tuple(i.offset))
+    target = header / f"step-{step:08d}" / storage[index].relative_path
+    with open(target, "r+b") as f:
+        f.seek(storage[index].offset + 28)
+        byte = f.read(1)
+        f.seek(storage[index].offset + 28)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    with pytest.raises(ValueError, match=rf"{target.name} is corrupt: reading 'model.ebc.embedding_bags.t.weight' "
+                                         r"failed \(\w+: .*\); restore the file or serve another checkpoint"):
+        build_table(CheckpointSource(header).chain(step), "t")
 
 
 def test_bad_requests_name_the_table_and_the_fix(pools, tmp_path):
@@ -222,6 +239,10 @@ def test_a_model_that_does_not_match_the_checkpoint_is_refused_by_name(pools, tm
     with pytest.raises(ValueError, match=r"KV-ZCH table 't' was saved with embedding_dim 8, the model has 16"):
         served_model(net, tmp_path)
     assert isinstance(net.ebc, EmbeddingBagCollection)
+    for field, saved, declared in [("num_embeddings", BUCKETS * BUCKET_SIZE, BUCKETS * 2**20), ("buckets", BUCKETS, 3)]:
+        with pytest.raises(ValueError, match=rf"KV-ZCH table 't' was saved with \w*{field} {saved}, the model has "
+                                             rf"{declared}: serve the model it was trained with"):
+            served_model(test_resume.Net(test_resume.table_params("ttl", **{field: declared})), tmp_path)
     extra = test_resume.Net(test_resume.table_params("ttl"))
     extra.ebc = EmbeddingBagCollection(tables=extra.ebc.embedding_bag_configs() + [EmbeddingBagConfig(
         name="other", embedding_dim=8, num_embeddings=10, feature_names=["f_other"])], device=torch.device("meta"))
@@ -235,6 +256,17 @@ def test_a_model_that_does_not_match_the_checkpoint_is_refused_by_name(pools, tm
     with pytest.raises(ValueError, match=r"ServingOptions.buckets names 'plain', which is not a KV-ZCH table"):
         served_model(test_resume.Net(test_resume.table_params("ttl")), tmp_path,
                      options=ServingOptions(buckets={"plain": (0, 1)}))
+    kv = {t.name: t for t in test_resume.table_params("ttl")}
+    for params, match in [({**kv, "plain": kv["t"]}, r"ServingOptions.kvzch names 'plain', which is not a KV-ZCH "
+                                                      r"table of both the model and the checkpoint; those: \['t', 'u'\]"),
+                          ({"t": kv["u"], "u": kv["u"]}, r"ServingOptions.kvzch\['t'\] holds the parameters of table "
+                                                         r"'u'; key each table's parameters by its own name")]:
+        with pytest.raises(ValueError, match=match):
+            served_model(test_resume.Net(test_resume.table_params("ttl")), tmp_path,
+                         options=ServingOptions(default="initial", kvzch=params))
+    with pytest.raises(FileNotFoundError, match=r"step-00000005 is not a complete checkpoint \(no .metadata\); "
+                                                r"complete ones under .*: \[2, 4, 6\]"):
+        served_model(test_resume.Net(test_resume.table_params("ttl")), tmp_path, step=5)
     served, _ = served_model(test_resume.Net(test_resume.table_params("ttl")), tmp_path)
     odd = KeyedJaggedTensor(keys=["f_t", "f_x"], values=torch.tensor([1, 2]), lengths=torch.ones(2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"unknown features \['f_x'\]; no feature \['f_u', 'f_plain'\]; this module "
@@ -316,13 +348,15 @@ def trained_collection(rank, world, case, root):
 
 @pytest.mark.parametrize("case", [
     dict(pooling=None, dim=8, buckets=6, optimizer="exact_row_wise_adagrad", batch=5, max_len=4),
+    dict(pooling=None, dim=8, buckets=6, optimizer="exact_sgd", batch=5, max_len=4, weight_dtype="fp16"),
     dict(pooling="MEAN", dim=8, dim2=4, buckets=5, optimizer="exact_sgd", batch=5, max_len=4),
     dict(pooling="SUM", dim=4, dim2=16, buckets=7, optimizer="exact_row_wise_adagrad", batch=5, max_len=4,
          weighted=True),
     dict(pooling="MEAN", dim=4, dim2=8, buckets=5, optimizer="exact_sgd", batch=5, max_len=4, weighted=True),
-], ids=["sequence", "mean", "weighted", "weighted_mean"])
+], ids=["sequence", "sequence_fp16", "mean", "weighted", "weighted_mean"])
 def test_served_collections_answer_as_the_trained_ones(pools, tmp_path, case):
-    """An EmbeddingCollection (sequence) and EmbeddingBagCollections (MEAN; weighted SUM and MEAN) with
+    """An EmbeddingCollection (sequence; fp16-stored KV-ZCH tables too, whose unseen ids read
+    initial weights rounded to fp16 as training stores them) and EmbeddingBagCollections (MEAN; weighted SUM and MEAN) with
     KV-ZCH and ordinary tables, trained on 2 ranks: the served module itself (the model is the
     collection) gives the trained module's eval outputs - each row exact, pooled bags mixing
     rows and unseen ids' initial weights within rounding."""
@@ -339,3 +373,8 @@ def test_served_collections_answer_as_the_trained_ones(pools, tmp_path, case):
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if case.get("weighted"):  # a batch without its weights is refused, as TorchRec's weighted EBC refuses it
+        bare = KeyedJaggedTensor(probe.keys(), probe.values(), lengths=probe.lengths())
+        with pytest.raises(ValueError, match=r"ServedEmbeddingBagCollection: the module is weighted "
+                                             r"\(is_weighted=True\) and the batch has no weights"):
+            served(bare)

@@ -58,10 +58,10 @@ FEATURES = {"kv": ["f_a", "f_b"], "kv2": ["f_c"], "plain": ["f_plain"]}
 PLAIN_ROWS = 37
 
 
-def kv_params(name, dim, buckets, optimizer):
+def kv_params(name, dim, buckets, optimizer, weight_dtype="fp32"):
     return KVZCHTableParams(name, dim, num_embeddings=buckets * 2**37, total_num_buckets=buckets,
                             optimizer=optimizer, learning_rate=LR, eps=EPS, init_range=(-0.5, 0.5),
-                            expected_rows=1000)
+                            expected_rows=1000, weight_dtype=weight_dtype)
 
 
 def collection(case, universe, twin: bool = False):
@@ -70,7 +70,8 @@ def collection(case, universe, twin: bool = False):
     table_cls, module_cls = (EmbeddingConfig, EmbeddingCollection) if sequence else (EmbeddingBagConfig, EmbeddingBagCollection)
     extra = {} if sequence else {"pooling": case["pooling"]}
     dims = {"kv": case["dim"], "kv2": case["dim"] if sequence else case["dim2"], "plain": case["dim"] if sequence else 4}
-    params = {n: kv_params(n, dims[n], case["buckets"], case["optimizer"]) for n in ("kv", "kv2")}
+    params = {n: kv_params(n, dims[n], case["buckets"], case["optimizer"], case.get("weight_dtype", "fp32"))
+              for n in ("kv", "kv2")}
     configs = []
     for name in ("kv", "kv2"):
         if twin:

@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 from torchrec_kvzch.torchrec.config import load_config
 from torchrec_kvzch.job.data import CriteoClickLog, SyntheticClickLog
 from torchrec_kvzch.job import config_path
-from torchrec_kvzch.job.cli import check_args, parse_args
+from torchrec_kvzch.job.cli import UsageError, check_args, parse_args
 from torchrec_kvzch.job.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +186,7 @@ def test_incremental_checkpoints_through_the_job_resume_exactly_at_another_world
     _, third = train(tmp_path / "run", "--steps", 12, *flags, summary="third.json")
     assert third["resumed_from"] == 11 and third["probe_after_resume"] == second["probe_final"]
     assert third["checkpoint_chain"] == [12]
-    with pytest.raises(SystemExit, match="not a multiple of --incremental-every 3"):
+    with pytest.raises(UsageError, match="not a multiple of --incremental-every 3"):
         check_args(parse_args(["--config", QUICKSTART, "--incremental-every", "3"]), 2)
 
 
@@ -317,19 +317,19 @@ def test_synthetic_log_is_skewed_grows_and_carries_a_signal():
 
 
 def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
-    with pytest.raises(SystemExit, match="not divisible by the world size 3"):
+    with pytest.raises(UsageError, match="not divisible by the world size 3"):
         check_args(parse_args(["--config", QUICKSTART, "--nproc", "3"]), 3)
-    with pytest.raises(SystemExit, match="expected RANK:STEP"):
+    with pytest.raises(UsageError, match="expected RANK:STEP"):
         check_args(parse_args(["--config", QUICKSTART, "--crash-drill", "1"]), 2)
-    with pytest.raises(SystemExit, match="--resume 'latest'"):
+    with pytest.raises(UsageError, match="--resume 'latest'"):
         check_args(parse_args(["--config", QUICKSTART, "--resume", "latest"]), 2)
     mixed = tmp_path / "mixed.yaml"
     mixed.write_text(Path(QUICKSTART).read_text().replace("- name: category  # an ordinary table (fbgemm's FUSED kernel)\n",
                                                           "- name: category\n    embedding_dim: 16\n"))
-    with pytest.raises(SystemExit, match="one embedding_dim for all tables.*category=16"):
+    with pytest.raises(UsageError, match="one embedding_dim for all tables.*category=16"):
         check_args(parse_args(["--config", str(mixed)]), 2)
     for spec in ("count", "count:1", "probability:2", "count:2:mean", "lottery:3"):
-        with pytest.raises(SystemExit, match=f"--admission '{spec}': expected count:N or probability:P"):
+        with pytest.raises(UsageError, match=f"--admission '{spec}': expected count:N or probability:P"):
             check_args(parse_args(["--config", QUICKSTART, "--admission", spec]), 2)
     with pytest.raises(Exception, match="no such sharding config"):
         check_args(parse_args(["--config", str(tmp_path / "missing.yaml")]), 2)
@@ -340,8 +340,19 @@ def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
     cached = tmp_path / "cached.yaml"
     cached.write_text(Path(QUICKSTART).read_text().replace("    init_range: [-0.05, 0.05]\n",
                                                            "    init_range: [-0.05, 0.05]\n    device_cache: {load_factor: 0.2}\n"))
-    with pytest.raises(SystemExit, match="table.s. user, item set device_cache.*use --device cuda .* or drop device_cache"):
+    with pytest.raises(UsageError, match="table.s. user, item set device_cache.*use --device cuda .* or drop device_cache"):
         check_args(parse_args(["--config", str(cached), "--device", "cpu"]), 2)
+    with pytest.raises(UsageError, match="--nproc 0: launch at least 1 process"):
+        check_args(parse_args(["--config", QUICKSTART, "--nproc", "0"]), 0)
+    with pytest.raises(UsageError, match="--crash-drill '5:2': rank 5 does not exist in a run of 2 rank.s.; use a rank below 2"):
+        check_args(parse_args(["--config", QUICKSTART, "--crash-drill", "5:2"]), 2)
+    with pytest.raises(UsageError, match="--crash-drill '0:9': step 9 is never trained by a run to --steps 9"):
+        check_args(parse_args(["--config", QUICKSTART, "--crash-drill", "0:9", "--steps", "9"]), 2)
+    check_args(parse_args(["--config", QUICKSTART, "--crash-drill", "0:9:save", "--steps", "9"]), 2)
+    with pytest.raises(UsageError, match=r"--new-id-fraction 2.0: must be in \[0, 1\)"):
+        check_args(parse_args(["--config", QUICKSTART, "--new-id-fraction", "2"]), 2)
+    # One line, exit status 2, as argparse's own errors (and a config's).
+    assert main(["--config", QUICKSTART, "--global-batch-size", "100", "--nproc", "3", "--dry-run"]) == 2
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2])
@@ -355,7 +366,7 @@ def test_device_auto_takes_a_gpu_per_process_or_the_cpu(monkeypatch, gpus):
     assert args.device == ("cuda" if gpus >= 2 else "cpu")
     if gpus < 2:
         fix = "--nproc 1 or fewer, or --device cpu" if gpus else "use --device cpu"
-        with pytest.raises(SystemExit, match=f"2 process.*need one GPU each and it has {gpus}; .*{fix}"):
+        with pytest.raises(UsageError, match=f"2 process.*need one GPU each and it has {gpus}; .*{fix}"):
             check_args(parse_args(["--config", QUICKSTART, "--nproc", "2", "--device", "cuda"]), 2)
     else:
         cuda = parse_args(["--config", QUICKSTART, "--nproc", "2", "--device", "cuda"])

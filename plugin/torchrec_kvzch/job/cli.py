@@ -17,6 +17,11 @@ from torchrec_kvzch.torchrec.config import ShardingConfig, load_config
 DESCRIPTION = "Train a DLRM with KV-ZCH tables on N processes, checkpoint, resume."
 
 
+class UsageError(ValueError):
+    """A bad command line: ``train.main`` prints it as ``error: ...`` and exits with status 2,
+    as argparse does, before any process starts."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="torchrec-kvzch-train", description=DESCRIPTION,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -72,33 +77,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Refuse a bad command line before any process starts (config errors name file and key)."""
+    if world_size < 1:
+        raise UsageError(f"--nproc {world_size}: launch at least 1 process")
     config = job_config(args)
     dims = {t.embedding_dim for t in config.tables}
     if len(dims) != 1:
-        raise SystemExit(f"{args.config}: DLRM needs one embedding_dim for all tables, got "
+        raise UsageError(f"{args.config}: DLRM needs one embedding_dim for all tables, got "
                          + ", ".join(f"{t.name}={t.embedding_dim}" for t in config.tables))
     for table in config.kvzch_tables:  # (the planner checks it too, on every rank: this is sooner)
         table.check_world_size(world_size)
     if args.global_batch_size % world_size:
-        raise SystemExit(f"--global-batch-size {args.global_batch_size} is not divisible by the world size "
+        raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by the world size "
                          f"{world_size}; use a multiple of {world_size}")
     for name in ("steps", "global_batch_size", "log_every", "keep", "eval_batches"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("checkpoint_every", "incremental_every", "eval_every"):
         if getattr(args, name) < 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
     if args.incremental_every and args.checkpoint_every % args.incremental_every:
-        raise SystemExit(f"--checkpoint-every {args.checkpoint_every} is not a multiple of --incremental-every "
+        raise UsageError(f"--checkpoint-every {args.checkpoint_every} is not a multiple of --incremental-every "
                          f"{args.incremental_every}: full checkpoints fall on delta steps; use a multiple")
     if args.resume not in ("auto", "none") and not args.resume.isdigit():
-        raise SystemExit(f"--resume {args.resume!r}: use 'auto', 'none' or a step number")
-    if args.crash_drill is not None:
-        parse_crash_drill(args.crash_drill)
+        raise UsageError(f"--resume {args.resume!r}: use 'auto', 'none' or a step number")
+    if args.crash_drill is not None:  # (a drill that cannot fire would rehearse nothing)
+        rank, step, save = parse_crash_drill(args.crash_drill)
+        if rank >= world_size:
+            raise UsageError(f"--crash-drill {args.crash_drill!r}: rank {rank} does not exist in a run of "
+                             f"{world_size} rank(s); use a rank below {world_size}")
+        if step > args.steps or (step == args.steps and not save):
+            raise UsageError(f"--crash-drill {args.crash_drill!r}: step {step} is never "
+                             f"{'saved' if save else 'trained'} by a run to --steps {args.steps}; use an earlier step")
+    if not 0 <= args.new_id_fraction < 1:
+        raise UsageError(f"--new-id-fraction {args.new_id_fraction}: must be in [0, 1)")
     args.device = job_device(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     cached = [t.name for t in config.kvzch_tables if t.device_cache.enabled]
     if cached and args.device == "cpu":
-        raise SystemExit(f"{args.config}: KV-ZCH table(s) {', '.join(cached)} set device_cache, a GPU cache over rows "
+        raise UsageError(f"{args.config}: KV-ZCH table(s) {', '.join(cached)} set device_cache, a GPU cache over rows "
                          "in host memory, and this run is on the CPU, whose rows are in host memory already; use "
                          "--device cuda (a GPU per process) or drop device_cache")
 
@@ -109,7 +124,7 @@ def job_device(device: str, local_ranks: int) -> str:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cuda" and gpus < local_ranks:
         fix = f"--nproc {gpus} or fewer, or --device cpu" if gpus else "--device cpu"
-        raise SystemExit(f"--device cuda: {local_ranks} process(es) on this machine need one GPU each and it has "
+        raise UsageError(f"--device cuda: {local_ranks} process(es) on this machine need one GPU each and it has "
                          f"{gpus}; use {fix}")
     return "cuda" if device == "cuda" or (device == "auto" and gpus >= local_ranks > 0) else "cpu"
 
@@ -127,7 +142,7 @@ def parse_admission(text: str) -> AdmissionPolicy:
             raise ValueError("too many fields")
         return policy.validate("--admission")
     except (IndexError, KeyError, ValueError) as e:
-        raise SystemExit(f"--admission {text!r}: expected count:N or probability:P, then optionally "
+        raise UsageError(f"--admission {text!r}: expected count:N or probability:P, then optionally "
                          f":zeros or :trainable ({e})") from None
 
 
@@ -151,5 +166,5 @@ def job_config(args: argparse.Namespace) -> ShardingConfig:
 def parse_crash_drill(text: str) -> tuple[int, int, bool]:
     parts = text.split(":")
     if len(parts) not in (2, 3) or not all(x.isdigit() for x in parts[:2]) or parts[2:] not in ([], ["save"]):
-        raise SystemExit(f"--crash-drill {text!r}: expected RANK:STEP or RANK:STEP:save")
+        raise UsageError(f"--crash-drill {text!r}: expected RANK:STEP or RANK:STEP:save")
     return int(parts[0]), int(parts[1]), parts[2:] == ["save"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import tempfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -69,9 +70,12 @@ def trained_config(checkpoints: Path, override: str | None) -> ShardingConfig:
         return load_config(f.name)
 
 
-def to_batch(examples, features: list[str]) -> tuple[torch.Tensor, KeyedJaggedTensor]:
+def to_batch(examples, features: list[str],
+             tables: dict[str, tuple[str, int]] | None = None) -> tuple[torch.Tensor, KeyedJaggedTensor]:
     """JSON examples -> (dense features ``[B, 13]``, the sparse features as a KJT); a bad
-    example is refused naming it and the field."""
+    example is refused naming it and the field. ``tables``: ``{feature: (table, num_embeddings)}``,
+    so an id outside its table is named by example and feature here (the served table names
+    only its position among the batch's ids)."""
     if not isinstance(examples, list) or not examples:
         raise ValueError('the body must be {"examples": [...]} with at least one example')
     dense, lengths, values = [], [[] for _ in features], [[] for _ in features]
@@ -79,8 +83,9 @@ def to_batch(examples, features: list[str]) -> tuple[torch.Tensor, KeyedJaggedTe
         if not isinstance(ex, dict) or set(ex) != {"dense", "sparse"}:
             raise ValueError(f"example {i}: expected the keys 'dense' and 'sparse'")
         if not (isinstance(ex["dense"], list) and len(ex["dense"]) == DENSE_FEATURES
-                and all(isinstance(v, (int, float)) for v in ex["dense"])):
-            raise ValueError(f"example {i}: 'dense' must be {DENSE_FEATURES} numbers")
+                and all(isinstance(v, (int, float)) and math.isfinite(v) for v in ex["dense"])):
+            raise ValueError(f"example {i}: 'dense' must be {DENSE_FEATURES} finite numbers (no NaN or "
+                             "Infinity, nothing beyond a double's range)")
         sparse = ex["sparse"]
         unknown = sorted(set(sparse) - set(features)) if isinstance(sparse, dict) else None
         if unknown is None or unknown:
@@ -92,6 +97,11 @@ def to_batch(examples, features: list[str]) -> tuple[torch.Tensor, KeyedJaggedTe
             if not (isinstance(ids, list) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
                                                    for v in ids)):
                 raise ValueError(f"example {i}: feature '{name}' must be a list of non-negative integer ids")
+            table, rows = (tables or {}).get(name, (None, 2**63))
+            outside = next((v for v in ids if v >= rows), None)
+            if outside is not None:
+                raise ValueError(f"example {i}: feature '{name}': id {outside} is outside its table '{table}', "
+                                 f"whose ids are [0, {rows}); check the feature's ids")
             lengths[f].append(len(ids))
             values[f].extend(ids)
     kjt = KeyedJaggedTensor(keys=features, values=torch.tensor([v for f in values for v in f], dtype=torch.long),
@@ -99,7 +109,7 @@ def to_batch(examples, features: list[str]) -> tuple[torch.Tensor, KeyedJaggedTe
     return torch.tensor(dense, dtype=torch.float32), kjt
 
 
-def handler(follower: Follower, features: list[str], device: torch.device):
+def handler(follower: Follower, features: list[str], tables: dict[str, tuple[str, int]], device: torch.device):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path.rstrip("/") == "/status":
@@ -111,7 +121,7 @@ def handler(follower: Follower, features: list[str], device: torch.device):
                 return self._reply(404, {"error": f"no {self.path}; use POST /predict or GET /status"})
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
-                dense, sparse = to_batch(body.get("examples") if isinstance(body, dict) else None, features)
+                dense, sparse = to_batch(body.get("examples") if isinstance(body, dict) else None, features, tables)
                 torch.set_num_threads(1)  # (per thread: requests run side by side, one core each)
                 with follower.serving() as version, torch.no_grad():  # one version for the whole request
                     scores = torch.sigmoid(version.model(dense.to(device), sparse.to(device)).squeeze(-1)).cpu()
@@ -144,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     follower = Follower(lambda: dlrm(config, torch.device("cpu")).model, checkpoints, prefix=PREFIX,
                         options=options, poll_s=args.poll_s).start()
     features = [f for c in config.embedding_bag_configs() for f in c.feature_names]
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), handler(follower, features, torch.device(args.device)))
+    tables = {f: (t.name, t.num_embeddings) for t in config.tables for f in t.features}
+    server = ThreadingHTTPServer(("127.0.0.1", args.port),
+                                 handler(follower, features, tables, torch.device(args.device)))
     print(f"serving step {follower.current.step} of {checkpoints} on http://127.0.0.1:{server.server_port}",
           flush=True)
     try:

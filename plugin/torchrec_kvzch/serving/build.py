@@ -78,7 +78,7 @@ def build_table(chain: list[Link], name: str, *, dtype: str = "fp32", pooling: s
     for link in chain:  # every file checked before the first row is read
         check_link(link, find_table(link, name), lo, hi)
     expected = sum(table.saved.rows[r] for r in table.ranks_in(lo, hi))
-    initial = (*params.init_range, params.init_seed) if default == "initial" else None
+    initial = (*params.init_range, params.init_seed, table.saved.weight_dtype) if default == "initial" else None
     served = ServedTable(name, table.saved.embedding_dim, dtype, pooling, default_rows=rows, capacity=expected,
                          default_starts=starts, id_range=(lo, hi), initial=initial, device=device)
     for link in chain:

@@ -71,6 +71,13 @@ class ServingOptions:
                                  f"checkpoint; its KV-ZCH tables: {sorted(kv_tables)}")
         if self.default not in DEFAULTS:
             raise ValueError(f"ServingOptions.default {self.default!r} is unknown; use one of {', '.join(DEFAULTS)}")
+        for name, params in (self.kvzch or {}).items():  # (parameters no table reads: a typo, or another model's)
+            if name not in kv_tables & tables:
+                raise ValueError(f"ServingOptions.kvzch names '{name}', which is not a KV-ZCH table of both the model "
+                                 f"and the checkpoint; those: {sorted(kv_tables & tables)}")
+            if getattr(params, "name", name) != name:
+                raise ValueError(f"ServingOptions.kvzch['{name}'] holds the parameters of table '{params.name}'; "
+                                 "key each table's parameters by its own name")
         missing = sorted((kv_tables & tables) - set(self.kvzch or {}))
         if self.default == "initial" and missing:
             raise ValueError(f"ServingOptions.default 'initial' reads each KV-ZCH table's initializer; "
@@ -123,10 +130,11 @@ def _served_module(chain: list[Link], prefix: str, path: str, module, options: S
         dtype = options.dtype_of(config.name)
         if config.name in chain[-1].tables:
             saved = find_table(chain[-1], config.name)
-            if saved.saved.embedding_dim != config.embedding_dim:
-                raise ValueError(f"{chain[-1].path}: KV-ZCH table '{config.name}' was saved with embedding_dim "
-                                 f"{saved.saved.embedding_dim}, the model has {config.embedding_dim}: serve the "
-                                 "model it was trained with")
+            for field in ("embedding_dim", "num_embeddings", "total_num_buckets"):  # (the ids it serves)
+                if getattr(saved.saved, field) != getattr(config, field, None):
+                    raise ValueError(f"{chain[-1].path}: KV-ZCH table '{config.name}' was saved with {field} "
+                                     f"{getattr(saved.saved, field)}, the model has {getattr(config, field, None)}: "
+                                     "serve the model it was trained with")
             if saved.base != fqn:
                 raise ValueError(f"{chain[-1].path}: KV-ZCH table '{config.name}' was saved as "
                                  f"'{saved.base}weight', the model has it as '{fqn}weight'"

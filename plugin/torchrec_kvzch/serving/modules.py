@@ -59,6 +59,9 @@ class ServedEmbeddingBagCollection(ServedModule):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         by_feature = self._features(features)
+        if self.is_weighted and features.weights_or_none() is None:  # (TorchRec's weighted EBC refuses it too)
+            raise ValueError(f"{type(self).__name__}: the module is weighted (is_weighted=True) and the batch has "
+                             "no weights; pass a KeyedJaggedTensor with weights, one per id")
         pooled = []
         for name, table in self.feature_tables:
             jt = by_feature[name]

@@ -174,6 +174,10 @@ class Link:
         except ValueError as e:
             raise ValueError(f"{self._where(index)} is damaged ({e}); restore it or serve another "
                              "checkpoint") from e
+        except Exception as e:  # (torch.load of a damaged item: IndexError, UnpicklingError, RuntimeError...)
+            first = str(e).strip().split(". ")[0]  # (not the advice to trust the file that torch.load gives)
+            raise ValueError(f"{self._where(index)} is corrupt: reading {self._describe(index.fqn)} failed "
+                             f"({type(e).__name__}: {first}); restore the file or serve another checkpoint") from e
         self._verify(index, value)
         return value
 
@@ -212,14 +216,19 @@ class CheckpointSource:
     def chain(self, step: int) -> list[Link]:
         """The links that restore ``step``, its full checkpoint first, each named base checked
         (``CheckpointManager.chain``)."""
+        self._complete(step)
         return [Link(self._manager.path(s), s) for s in self._manager.chain(step)]
 
     def path(self, step: int) -> Path:
         return self._manager.path(step)
 
     def link(self, step: int) -> Link:
+        return Link(self._complete(step), step)
+
+    def _complete(self, step: int) -> Path:
+        """The folder of ``step``, refused (listing the complete ones) unless it is complete."""
         path = self._manager.path(step)
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); complete ones "
                                     f"under {self.root}: {self.steps()}")
-        return Link(path, step)
+        return path

@@ -94,9 +94,10 @@ class ServedTable:
     ``default_rows``: what an id without a row reads, ``[dim]`` or ``[k, dim]`` with
     ``default_starts`` (``[k]`` ascending ids, the first ``id_range[0]``; None: one zero row).
     ``id_range``: the ids this table serves, ``[lo, hi)`` (a replica of some buckets serves
-    theirs); a lookup of any other id is refused. ``initial``: ``(low, high, seed)`` of the
-    trained table's initializer: an id without a row reads the id-seeded weights a row of it
-    would start with, as training's evaluation does (``RowStore.peek``), instead of a default.
+    theirs); a lookup of any other id is refused. ``initial``: ``(low, high, seed[, weight_dtype])``
+    of the trained table's initializer and storage: an id without a row reads the id-seeded
+    weights a row of it would start with, as training's evaluation does (``RowStore.peek``;
+    rounded to fp16 where the table stored fp16 weights), instead of a default.
     ``device``: where the rows live and lookups run (CPU or CUDA); ``id_map``: the id map's
     backend (``IdMap``: ``auto`` is the native op on CPU, the GPU kernels on CUDA). Updates (``upsert``, ``delete``) change the table in place; a replica that must never show
     half an update builds the next version beside this one and swaps the reference."""
@@ -104,7 +105,7 @@ class ServedTable:
     def __init__(self, name: str, dim: int, dtype: str = "fp32", pooling: str = "sum",
                  default_rows: torch.Tensor | None = None, capacity: int = 0, *,
                  default_starts: torch.Tensor | None = None, id_range: tuple[int, int] = (0, 2**63 - 1),
-                 initial: tuple[float, float, int] | None = None, device: torch.device | str = "cpu",
+                 initial: tuple | None = None, device: torch.device | str = "cpu",
                  id_map: str = "auto") -> None:
         def fail(problem: str) -> None:
             raise ValueError(f"served table '{name}': {problem}")
@@ -141,7 +142,10 @@ class ServedTable:
             fail(f"default_starts {starts.tolist()} must ascend from the first id served, {lo}")
         if initial is not None and (starts.numel() != 1 or bool(default_rows.any())):
             fail("initial weights for ids without a row leave no room for default rows; give one or the other")
-        self.initial = None if initial is None else (float(initial[0]), float(initial[1]), int(initial[2]))
+        if initial is not None and (len(initial) not in (3, 4) or (initial[3:] or ("fp32",))[0] not in ("fp32", "fp16")):
+            fail(f"initial {initial!r} is not (low, high, seed) or (low, high, seed, weight_dtype 'fp32' or 'fp16')")
+        self.initial = None if initial is None else (float(initial[0]), float(initial[1]), int(initial[2]),
+                                                     (initial[3:] or ("fp32",))[0])
         self.default_starts = starts.to(device).contiguous()
         self.defaults = starts.numel()  # the rows before the first id's
         self._native = native_status() and device.type == "cpu"  # (the native ops run on CPU)
@@ -250,8 +254,10 @@ class ServedTable:
 
     def _check_values(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Rows that would be served wrong are refused before anything changes: values that are
-        not finite, or beyond fp16's range in an fp16 table (they would read as inf)."""
-        limit = 65504.0 if self.dtype == "fp16" else float("inf")
+        not finite, or beyond fp16's range in an fp16 or int8 table (they would read as inf, or
+        NaN: an int8 row keeps its bias, the row's minimum, and scale in fp16, and CUDA's int8
+        kernel dequantizes in half precision)."""
+        limit = float("inf") if self.dtype == "fp32" else 65504.0
         if not weights.numel():
             return
         # Fast (one pass, strided views too): a row's norm is NaN or inf where a value is, and
@@ -264,7 +270,9 @@ class ServedTable:
         if bad.numel():
             i = int(bad[0])
             problem = ("is not finite" if not bool(weights[i].isfinite().all())
-                       else "exceeds fp16's range (65504); serve this table as fp32")
+                       else "exceeds fp16's range (65504)"
+                       + (", which int8 rows keep their scale and bias in" if self.dtype == "int8" else "")
+                       + "; serve this table as fp32")
             raise ValueError(f"served table '{self.name}': the row of id {int(ids[i])} {problem} "
                              f"({bad.numel()} such row(s) in this update); nothing was changed")
 
@@ -344,10 +352,12 @@ class ServedTable:
         what training's evaluation pools; a bag of one id is exact.)"""
         if self.initial is None:
             return None
-        low, high, seed = self.initial
+        low, high, seed, stored = self.initial
         ids = ids.reshape(-1).to(self.device, torch.long)
         init = (torch.ops.kvzch.uniform_by_id(ids, self.dim, low, high, seed) if self._native  # (both export)
                 else uniform_by_id_torch(ids, self.dim, low, high, seed))
+        if stored == "fp16":  # (training writes a new row's weights into fp16 storage: rounded)
+            init = init.half().float()
         return self._encoded(init * (rows < self.defaults).unsqueeze(1))
 
     def _pool(self, dev_weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,

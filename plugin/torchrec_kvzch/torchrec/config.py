@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
@@ -65,6 +66,7 @@ _RANK_BUDGET_KEYS = {f.name for f in fields(RankBudget)}
 _PLANNER_KEYS = {"sharding_types", "compute_kernels", "pooling_factors", "num_poolings",
                  "batch_sizes", "min_partition", "enforce_hbm"}
 _SHARDING_TYPES = [t.value for t in ShardingType]
+_COMPUTE_KERNELS = [k.value for k in EmbeddingComputeKernel]
 
 
 class ConfigError(ValueError):
@@ -170,6 +172,12 @@ class _Parser:
             self.fail(where, f"expected an integer (or 'a^b'), got {value!r}")
         return value
 
+    def positive(self, value: Any, where: str) -> int:
+        number = self.integer(value, where)
+        if number < 1:
+            self.fail(where, f"expected a positive integer, got {number}")
+        return number
+
     def choice(self, value: Any, where: str, allowed) -> Any:
         if value not in allowed:
             close = difflib.get_close_matches(str(value), list(map(str, allowed)), n=1)
@@ -252,11 +260,13 @@ class _Parser:
             where = f"{where} ({raw['name']})"
         t = self.mapping(raw, where, _TABLE_KEYS, {"name", "embedding_dim", "features"})
         name = t["name"]
+        if not isinstance(name, str) or not name.strip():
+            self.fail(f"{where}.name", f"expected a non-empty string (quote one YAML reads otherwise), got {name!r}")
         features = t["features"]
         if not isinstance(features, list) or not features or not all(isinstance(f, str) for f in features):
             self.fail(f"{where}.features", f"expected a non-empty list of feature names, got {features!r}")
         pooling = _POOLINGS[self.choice(str(t.get("pooling", "sum")).lower(), f"{where}.pooling", list(_POOLINGS))]
-        dim = self.integer(t["embedding_dim"], f"{where}.embedding_dim")
+        dim = self.positive(t["embedding_dim"], f"{where}.embedding_dim")
         kvzch = None
         if "kvzch" in t:
             if "num_embeddings" in t:
@@ -267,7 +277,7 @@ class _Parser:
         elif "num_embeddings" not in t:
             self.fail(where, "missing required key 'num_embeddings' (or a 'kvzch' block)")
         else:
-            num_embeddings = self.integer(t["num_embeddings"], f"{where}.num_embeddings")
+            num_embeddings = self.positive(t["num_embeddings"], f"{where}.num_embeddings")
         return TableSpec(name, dim, tuple(features), pooling, num_embeddings, kvzch,
                          self.constraints(t.get("planner"), f"{where}.planner"))
 
@@ -290,7 +300,26 @@ class _Parser:
     def constraints(self, raw: Any, where: str) -> ParameterConstraints | None:
         if raw is None:
             return None
-        c = self.mapping(raw, where, _PLANNER_KEYS)
-        for i, st in enumerate(c.get("sharding_types", [])):
-            self.choice(st, f"{where}.sharding_types[{i}]", _SHARDING_TYPES)
+        c = dict(self.mapping(raw, where, _PLANNER_KEYS))
+        for key, allowed in (("sharding_types", _SHARDING_TYPES), ("compute_kernels", _COMPUTE_KERNELS)):
+            for i, value in enumerate(self.listed(c, key, where)):
+                self.choice(value, f"{where}.{key}[{i}]", allowed)
+        for key in ("pooling_factors", "num_poolings", "batch_sizes"):  # (TorchRec's: one per feature)
+            for i, value in enumerate(self.listed(c, key, where)):
+                if isinstance(value, bool) or not isinstance(value, (int, float) if key != "batch_sizes" else int) \
+                        or not value > 0:
+                    self.fail(f"{where}.{key}[{i}]", f"expected a positive {'integer' if key == 'batch_sizes' else 'number'}, "
+                              f"got {value!r}")
+        if "min_partition" in c:
+            c["min_partition"] = self.positive(c["min_partition"], f"{where}.min_partition")
+        if not isinstance(c.get("enforce_hbm", False), bool):
+            self.fail(f"{where}.enforce_hbm", f"expected true or false, got {c['enforce_hbm']!r}")
         return ParameterConstraints(**c)
+
+    def listed(self, block: dict, key: str, where: str) -> list:
+        """``block[key]``, a YAML list (a lone value is refused: it would be iterated, a string
+        character by character), or [] where the key is absent."""
+        value = block.get(key, [])
+        if not isinstance(value, list):
+            self.fail(f"{where}.{key}", f"expected a list, got {value!r}; write [{value}]")
+        return value

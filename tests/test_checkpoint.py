@@ -299,6 +299,14 @@ def test_damaged_files_are_refused_before_any_row_changes(pools, tmp_path, damag
         assert target in error and fragment in error and "KV-ZCH table" in error
 
 
+def test_verify_without_the_folder_is_refused():
+    """DCP does not tell the planner which folder it reads: without ``checkpoint_id`` no file
+    could be checked, so ``verify=True`` is refused up front rather than silently skipped."""
+    with pytest.raises(ValueError, match="pass checkpoint_id .*or verify=False"):
+        KVZCHLoadPlanner()
+    KVZCHLoadPlanner(verify=False)  # asked for explicitly: loads unchecked
+
+
 def test_a_save_into_a_used_folder_replaces_the_checksum_files(pools, tmp_path):
     path = str(tmp_path / "ckpt")
     pools[2].run(train_and_save, path, 7, 1)
@@ -418,5 +426,5 @@ def test_a_synchronous_save_copies_device_tensors_to_the_host_before_their_check
     dcp.save({"dense": dense.as_subclass(_OnDevice)}, checkpoint_id=str(tmp_path), planner=KVZCHSavePlanner(),
              no_dist=True)
     loaded = {"dense": torch.zeros(3, 4)}
-    dcp.load(loaded, checkpoint_id=str(tmp_path), planner=KVZCHLoadPlanner(), no_dist=True)
+    dcp.load(loaded, checkpoint_id=str(tmp_path), planner=KVZCHLoadPlanner(checkpoint_id=str(tmp_path)), no_dist=True)
     assert torch.equal(loaded["dense"], dense)

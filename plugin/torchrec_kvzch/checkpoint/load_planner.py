@@ -65,15 +65,21 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
                  load_optimizer: bool = True, *, delta: bool = False, check_only: bool = False,
                  tables_only: bool = False, **kwargs) -> None:
         """``checkpoint_id``: the checkpoint's folder, named in errors and read to check its
-        files before loading (pass it: without it the file checks are skipped, and a table
-        saved with a larger ``num_embeddings``, or by upstream TorchRec, cannot be checked and
-        is refused). ``verify``: also read back every item against its checksum (one more
-        read). ``load_optimizer``: False loads KV-ZCH tables' weights with fresh optimizer
-        state (upstream's ``load_ckpt_without_opt``), e.g. from a checkpoint of another
-        optimizer; other entries load as the state dict asks (leave the optimizer's out to keep
-        it fresh too). ``delta``: the checkpoint is a delta, applied onto the current state.
+        files before loading. DCP does not tell a planner where it reads from, so ``verify=True``
+        (the default) refuses to go without it; with ``verify=False`` and no folder nothing is
+        checked before the stores change (a damaged file can leave them half loaded), and a
+        table saved with a larger ``num_embeddings``, or by upstream TorchRec, is refused.
+        ``verify``: also read back every item against its checksum (one more read).
+        ``load_optimizer``: False loads KV-ZCH tables' weights with fresh optimizer state
+        (upstream's ``load_ckpt_without_opt``), e.g. from a checkpoint of another optimizer;
+        other entries load as the state dict asks (leave the optimizer's out to keep it fresh
+        too). ``delta``: the checkpoint is a delta, applied onto the current state.
         ``check_only``: plan and verify, change nothing. ``tables_only``: load the KV-ZCH
         tables' rows, clock and counters, nothing else (a chain's links before the last)."""
+        if verify and checkpoint_id is None:
+            raise ValueError("KVZCHLoadPlanner(verify=True) needs the checkpoint's folder to check its files "
+                             "before anything changes: pass checkpoint_id (the folder given to dcp.load), or "
+                             "verify=False to load unchecked")
         super().__init__(**kwargs)
         self._verify, self._load_optimizer = verify, load_optimizer
         self._delta, self._check_only, self._tables_only = delta, check_only, tables_only

@@ -175,6 +175,7 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
                                  f"'{name}' of {list(md[fqn].size)}, this model's is {list(entry.size())}: "
                                  "load it into a table with the admission sketch it was saved with")
             elif not same:
+                self._check_admission_blocks(table, name, md[fqn].size, saved.size[0], entry.local_shards()[0].tensor)
                 self.state_dict[fqn] = torch.empty(md[fqn].size, dtype=md[fqn].properties.dtype)
                 table.admission_saved[fqn] = self.state_dict[fqn]
                 self._tables[fqn] = table
@@ -229,21 +230,6 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
         table.parts[fqn] = part
         table.columns[fqn] = columns
         table.dtypes[fqn] = saved.properties.dtype
-
-    def _check_aligned(self, table: TableLoad) -> None:
-        """The parts of a split table are joined chunk by chunk: all must be saved in chunks
-        cut at the same rows (ours and upstream's are)."""
-        if not table.split:
-            return
-        cuts = {}
-        for fqn in table.parts:
-            cuts[fqn] = sorted((max(c.offsets[0], table.begin), min(c.offsets[0] + c.sizes[0], table.end))
-                               for c in self.metadata.state_dict_metadata[fqn].chunks
-                               if c.offsets[0] < table.end and table.begin < c.offsets[0] + c.sizes[0])
-        if len({tuple(c) for c in cuts.values()}) > 1:
-            raise ValueError(f"{self._checkpoint}: KV-ZCH table '{table.name}' has entries "
-                             f"{sorted(cuts)} saved in chunks cut at different rows; they must be "
-                             "cut alike to be loaded row by row (re-save the table with one chunking)")
 
     def _skip(self, fqn: str, table: TableLoad | None = None) -> None:
         """Read nothing for ``fqn``; a table's skipped entries are still verified."""

@@ -296,6 +296,30 @@ def test_a_load_with_part_of_adams_state_is_refused_before_any_row_changes(pools
         assert "u.momentum1'] of KV-ZCH table 'u''s optimizer state: include the optimizer's whole" in error
 
 
+def _load_optimizer_only(rank, world, root):
+    """The optimizer's state dict loaded without the model's: the error, and whether the model
+    stayed as it was."""
+    model, dense = build(kind="lru")
+    train_step(model, dense, 9, rank, world)
+    before, state = snapshot(model, dense, dist.group.WORLD), state_of(model, dense)
+    try:
+        dcp.load({"optim": state["optim"]}, checkpoint_id=root, planner=KVZCHLoadPlanner(checkpoint_id=root))
+        error = None
+    except CheckpointException as e:
+        error = str(e)
+    return error, same(before, snapshot(model, dense, dist.group.WORLD)) == []
+
+
+def test_optimizer_state_without_the_model_state_is_refused_by_name(pools, tmp_path):
+    """The tables' optimizer state is placed by the rows' ids, which the model's entries hold:
+    without them the load is refused naming the table (it failed as an unpicklable KeyError)."""
+    root = str(tmp_path / "ckpt")
+    pools[1].run(save_plain, root)
+    [(error, unchanged)] = pools[1].run(_load_optimizer_only, root)
+    assert error is not None and unchanged
+    assert "optimizer state for KV-ZCH table 't'" in error and "include the model's state_dict()" in error
+
+
 # -- 2. a load that fails changes nothing ------------------------------------------------------
 def save_plain(rank, world, root, high=BUCKETS * BUCKET_SIZE, table_kw=None):
     """3 steps, then a synchronous save (one file per rank); every row, gathered."""

@@ -149,8 +149,9 @@ def snapshot(model, dense, pg):
     for g in gathered:
         for key in ("rows", "plain", "plain_opt"):
             merged[key].update(g[key])
-    merged["dense"] = [p.detach().cpu() for p in model.module.dense.parameters()]
-    merged["dense_opt"] = [dense.state[p]["sum"].cpu() for p in model.module.dense.parameters()]
+    # (Copies: on CPU, .cpu() is the live tensor itself, and a later change would show in both.)
+    merged["dense"] = [p.detach().cpu().clone() for p in model.module.dense.parameters()]
+    merged["dense_opt"] = [dense.state[p]["sum"].cpu().clone() for p in model.module.dense.parameters()]
     return merged
 
 
@@ -178,6 +179,24 @@ def same(a, b, across_worlds=False) -> list[str]:
         diff += [f"dense_opt {i}" for i, (x, y) in enumerate(zip(a["dense_opt"], b["dense_opt"]))
                  if not torch.allclose(x, y, rtol=1e-6, atol=0)]
     return diff
+
+
+def _dense_change_shows(rank, world):
+    model, dense = build()
+    train_step(model, dense, 0, rank, world)
+    before = snapshot(model, dense, dist.group.WORLD)
+    with torch.no_grad():
+        for p in model.module.dense.parameters():
+            p.add_(1.0)
+            dense.state[p]["sum"].add_(1.0)
+    return same(before, snapshot(model, dense, dist.group.WORLD))
+
+
+def test_snapshots_hold_the_dense_state_of_their_moment(pools):
+    """The "changes nothing" checks compare snapshots of one live model: a dense change after
+    the first must show, or they would never check the dense parameters."""
+    [diff] = pools[1].run(_dense_change_shows)
+    assert {"dense 0", "dense 1", "dense_opt 0", "dense_opt 1"} <= set(diff), diff
 
 
 # -- 1. resume is exact ------------------------------------------------------------------------

@@ -177,14 +177,14 @@ def test_a_yaml_admission_block_becomes_the_policy(tmp_path):
 
 
 # -- checkpoints: admission state is saved, and a resume is exact --------------------------------
-def _model(default="trainable"):
+def _model(default="trainable", sketch_width=64):
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     from _dist import sharded
     from torchrec_kvzch import KVZCHConstraints, kvzch_embedding_bag_config
 
     p = KVZCHTableParams("t", 8, num_embeddings=2**20, total_num_buckets=8, learning_rate=0.1,
-                         admission=AdmissionPolicy("count", min_count=2, default=default, sketch_width=64),
+                         admission=AdmissionPolicy("count", min_count=2, default=default, sketch_width=sketch_width),
                          enable_optimizer_offloading=True, backend_return_whole_row=True)
     ebc = EmbeddingBagCollection(tables=[kvzch_embedding_bag_config(p, ["f"])], device=torch.device("meta"))
     return sharded(ebc, {"t": KVZCHConstraints(kvzch=p)})
@@ -257,3 +257,41 @@ def test_a_resume_with_admission_is_exact_and_another_world_size_merges_the_sket
     for key in ("rows", "admitted", "rejected"):
         assert merged[key] == sum(c[key] for _, c, _ in saved)
     assert merged_sketch == sum(s for _, _, s in saved)
+
+
+def _save_a_chain(rank, world, path):
+    from torchrec_kvzch import CheckpointManager
+
+    model, manager = _model(), CheckpointManager(path, full_every=2)
+    for step in (4, 5):  # step 5 is a delta of step 4
+        _steps(model, [step], rank, world)
+        manager.save({"model": model.state_dict()}, step=step)
+    return manager.chain(5)
+
+
+def _load_into_a_wider_sketch(rank, world, path):
+    from torchrec_kvzch import CheckpointManager, kvzch_tables
+    from torchrec_kvzch.checkpoint.manager import CheckpointError
+
+    model = _model(sketch_width=128)
+    _steps(model, range(100, 102), rank, world)
+    [(_, tbe)] = kvzch_tables(model)
+    store = tbe.store
+    before = (store.read_ids(store.keys(), "row").clone(), _counters(model), store.admission.counts.clone())
+    with pytest.raises(CheckpointError) as refused:
+        CheckpointManager(path).load({"model": model.state_dict()})
+    after = (store.read_ids(store.keys(), "row"), _counters(model), store.admission.counts)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before[::2], after[::2])) and before[1] == after[1]
+    return str(refused.value), unchanged
+
+
+def test_a_sketch_that_does_not_fit_is_refused_before_a_chain_changes_anything(pools, tmp_path):
+    """Saved at 2 ranks, loaded at 1 into a wider sketch: merging the blocks could only fail
+    after the rows were replaced, so the manager's check of the chain refuses it, naming the
+    shape saved (not a reshaped one), and the model stays as it was."""
+    path = str(tmp_path / "ckpt")
+    assert pools[2].run(_save_a_chain, path)[0] == [4, 5]
+    [(error, unchanged)] = pools[1].run(_load_into_a_wider_sketch, path)
+    assert "KV-ZCH table 't' was saved with a 'admission_sketch' of [4, 64] per rank (saved at world size 2), " \
+           "this model's is [4, 128] per rank" in error, error
+    assert unchanged

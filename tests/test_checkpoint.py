@@ -299,6 +299,54 @@ def test_damaged_files_are_refused_before_any_row_changes(pools, tmp_path, damag
         assert target in error and fragment in error and "KV-ZCH table" in error
 
 
+def save_stale_states(rank, world_size, root):
+    """Saves of state dicts that no longer hold one moment of the tables: each save's error."""
+    model = build(world_size, 7, whole_row=False)
+    step = lambda seed: model(batch(seed + rank)).wait().values().sum().backward()
+    step(0)
+    state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+    dcp.save(state, checkpoint_id=f"{root}/first", planner=KVZCHSavePlanner())
+    step(50)  # rows created and trained after the state dict was taken
+    optim_first = model.fused_optimizer.state_dict()  # views of the old snapshot
+    cases = {"reused": lambda path: dcp.save(state, checkpoint_id=path, planner=KVZCHSavePlanner()),
+             "reused, async": lambda path: dcp.async_save(
+                 state, checkpoint_id=path, planner=KVZCHSavePlanner(), async_stager=KVZCHAsyncStager(),
+                 process_group=dist.new_group(backend="gloo")).result(),
+             "optimizer's first": lambda path: dcp.save({"optim": optim_first, "model": model.state_dict()},
+                                                        checkpoint_id=path, planner=KVZCHSavePlanner())}
+    errors = {}
+    for name, save in cases.items():
+        path = f"{root}/{name.replace(' ', '_')}"
+        try:
+            save(path)
+            errors[name] = None
+        except BaseException as e:  # DCP's CheckpointException, or the stager's own error
+            errors[name] = (str(e), os.path.exists(f"{path}/.metadata"))
+    return errors
+
+
+def test_a_stale_state_dict_is_refused_at_save(pools, tmp_path):
+    """A state dict saved again after training, or an optimizer state dict taken before the
+    model's, would write rows of one moment beside ids and history of another: refused at
+    save, naming the table and the fix, with no checkpoint written."""
+    for errors in pools[1].run(save_stale_states, str(tmp_path)):
+        for name in ("reused", "reused, async"):
+            assert errors[name] is not None, name
+            error, written = errors[name]
+            assert "KV-ZCH table '" in error and "take a fresh state_dict()" in error and not written, name
+        error, written = errors["optimizer's first"]
+        assert "from 2 state_dict() calls" in error and "entries of KV-ZCH table '" in error and not written
+        assert "take the model's state_dict() and then the optimizer's" in error
+
+
+def test_verify_without_the_folder_is_refused():
+    """DCP does not tell the planner which folder it reads: without ``checkpoint_id`` no file
+    could be checked, so ``verify=True`` is refused up front rather than silently skipped."""
+    with pytest.raises(ValueError, match="pass checkpoint_id .*or verify=False"):
+        KVZCHLoadPlanner()
+    KVZCHLoadPlanner(verify=False)  # asked for explicitly: loads unchecked
+
+
 def test_a_save_into_a_used_folder_replaces_the_checksum_files(pools, tmp_path):
     path = str(tmp_path / "ckpt")
     pools[2].run(train_and_save, path, 7, 1)
@@ -418,5 +466,5 @@ def test_a_synchronous_save_copies_device_tensors_to_the_host_before_their_check
     dcp.save({"dense": dense.as_subclass(_OnDevice)}, checkpoint_id=str(tmp_path), planner=KVZCHSavePlanner(),
              no_dist=True)
     loaded = {"dense": torch.zeros(3, 4)}
-    dcp.load(loaded, checkpoint_id=str(tmp_path), planner=KVZCHLoadPlanner(), no_dist=True)
+    dcp.load(loaded, checkpoint_id=str(tmp_path), planner=KVZCHLoadPlanner(checkpoint_id=str(tmp_path)), no_dist=True)
     assert torch.equal(loaded["dense"], dense)

@@ -149,8 +149,9 @@ def snapshot(model, dense, pg):
     for g in gathered:
         for key in ("rows", "plain", "plain_opt"):
             merged[key].update(g[key])
-    merged["dense"] = [p.detach().cpu() for p in model.module.dense.parameters()]
-    merged["dense_opt"] = [dense.state[p]["sum"].cpu() for p in model.module.dense.parameters()]
+    # (Copies: on CPU, .cpu() is the live tensor itself, and a later change would show in both.)
+    merged["dense"] = [p.detach().cpu().clone() for p in model.module.dense.parameters()]
+    merged["dense_opt"] = [dense.state[p]["sum"].cpu().clone() for p in model.module.dense.parameters()]
     return merged
 
 
@@ -178,6 +179,24 @@ def same(a, b, across_worlds=False) -> list[str]:
         diff += [f"dense_opt {i}" for i, (x, y) in enumerate(zip(a["dense_opt"], b["dense_opt"]))
                  if not torch.allclose(x, y, rtol=1e-6, atol=0)]
     return diff
+
+
+def _dense_change_shows(rank, world):
+    model, dense = build()
+    train_step(model, dense, 0, rank, world)
+    before = snapshot(model, dense, dist.group.WORLD)
+    with torch.no_grad():
+        for p in model.module.dense.parameters():
+            p.add_(1.0)
+            dense.state[p]["sum"].add_(1.0)
+    return same(before, snapshot(model, dense, dist.group.WORLD))
+
+
+def test_snapshots_hold_the_dense_state_of_their_moment(pools):
+    """The "changes nothing" checks compare snapshots of one live model: a dense change after
+    the first must show, or they would never check the dense parameters."""
+    [diff] = pools[1].run(_dense_change_shows)
+    assert {"dense 0", "dense 1", "dense_opt 0", "dense_opt 1"} <= set(diff), diff
 
 
 # -- 1. resume is exact ------------------------------------------------------------------------
@@ -294,6 +313,30 @@ def test_a_load_with_part_of_adams_state_is_refused_before_any_row_changes(pools
     for error, unchanged in pools[2].run(_load_without, str(tmp_path / "ckpt"), "u.momentum2"):
         assert error is not None and unchanged
         assert "u.momentum1'] of KV-ZCH table 'u''s optimizer state: include the optimizer's whole" in error
+
+
+def _load_optimizer_only(rank, world, root):
+    """The optimizer's state dict loaded without the model's: the error, and whether the model
+    stayed as it was."""
+    model, dense = build(kind="lru")
+    train_step(model, dense, 9, rank, world)
+    before, state = snapshot(model, dense, dist.group.WORLD), state_of(model, dense)
+    try:
+        dcp.load({"optim": state["optim"]}, checkpoint_id=root, planner=KVZCHLoadPlanner(checkpoint_id=root))
+        error = None
+    except CheckpointException as e:
+        error = str(e)
+    return error, same(before, snapshot(model, dense, dist.group.WORLD)) == []
+
+
+def test_optimizer_state_without_the_model_state_is_refused_by_name(pools, tmp_path):
+    """The tables' optimizer state is placed by the rows' ids, which the model's entries hold:
+    without them the load is refused naming the table (it failed as an unpicklable KeyError)."""
+    root = str(tmp_path / "ckpt")
+    pools[1].run(save_plain, root)
+    [(error, unchanged)] = pools[1].run(_load_optimizer_only, root)
+    assert error is not None and unchanged
+    assert "optimizer state for KV-ZCH table 't'" in error and "include the model's state_dict()" in error
 
 
 # -- 2. a load that fails changes nothing ------------------------------------------------------

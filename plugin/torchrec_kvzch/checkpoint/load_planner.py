@@ -65,15 +65,21 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
                  load_optimizer: bool = True, *, delta: bool = False, check_only: bool = False,
                  tables_only: bool = False, **kwargs) -> None:
         """``checkpoint_id``: the checkpoint's folder, named in errors and read to check its
-        files before loading (pass it: without it the file checks are skipped, and a table
-        saved with a larger ``num_embeddings``, or by upstream TorchRec, cannot be checked and
-        is refused). ``verify``: also read back every item against its checksum (one more
-        read). ``load_optimizer``: False loads KV-ZCH tables' weights with fresh optimizer
-        state (upstream's ``load_ckpt_without_opt``), e.g. from a checkpoint of another
-        optimizer; other entries load as the state dict asks (leave the optimizer's out to keep
-        it fresh too). ``delta``: the checkpoint is a delta, applied onto the current state.
+        files before loading. DCP does not tell a planner where it reads from, so ``verify=True``
+        (the default) refuses to go without it; with ``verify=False`` and no folder nothing is
+        checked before the stores change (a damaged file can leave them half loaded), and a
+        table saved with a larger ``num_embeddings``, or by upstream TorchRec, is refused.
+        ``verify``: also read back every item against its checksum (one more read).
+        ``load_optimizer``: False loads KV-ZCH tables' weights with fresh optimizer state
+        (upstream's ``load_ckpt_without_opt``), e.g. from a checkpoint of another optimizer;
+        other entries load as the state dict asks (leave the optimizer's out to keep it fresh
+        too). ``delta``: the checkpoint is a delta, applied onto the current state.
         ``check_only``: plan and verify, change nothing. ``tables_only``: load the KV-ZCH
         tables' rows, clock and counters, nothing else (a chain's links before the last)."""
+        if verify and checkpoint_id is None:
+            raise ValueError("KVZCHLoadPlanner(verify=True) needs the checkpoint's folder to check its files "
+                             "before anything changes: pass checkpoint_id (the folder given to dcp.load), or "
+                             "verify=False to load unchecked")
         super().__init__(**kwargs)
         self._verify, self._load_optimizer = verify, load_optimizer
         self._delta, self._check_only, self._tables_only = delta, check_only, tables_only
@@ -110,6 +116,10 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
             if not self._tables_only:
                 self._plan_admission(table)
         for fqn, view in views.items():
+            if view.part is RowPart.OPTIMIZER and view.store not in by_store:
+                raise ValueError(f"the state dict to load has optimizer state for KV-ZCH table "
+                                 f"'{view.store.params.name}' ('{fqn}') but not its rows: include the "
+                                 "model's state_dict() (taken before the optimizer's)")
             if view.part is RowPart.OPTIMIZER:
                 self._plan_entry(by_store[view.store], fqn, RowPart.OPTIMIZER, view.columns)
         for table in by_store.values():
@@ -169,6 +179,7 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
                                  f"'{name}' of {list(md[fqn].size)}, this model's is {list(entry.size())}: "
                                  "load it into a table with the admission sketch it was saved with")
             elif not same:
+                self._check_admission_blocks(table, name, md[fqn].size, saved.size[0], entry.local_shards()[0].tensor)
                 self.state_dict[fqn] = torch.empty(md[fqn].size, dtype=md[fqn].properties.dtype)
                 table.admission_saved[fqn] = self.state_dict[fqn]
                 self._tables[fqn] = table
@@ -223,21 +234,6 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
         table.parts[fqn] = part
         table.columns[fqn] = columns
         table.dtypes[fqn] = saved.properties.dtype
-
-    def _check_aligned(self, table: TableLoad) -> None:
-        """The parts of a split table are joined chunk by chunk: all must be saved in chunks
-        cut at the same rows (ours and upstream's are)."""
-        if not table.split:
-            return
-        cuts = {}
-        for fqn in table.parts:
-            cuts[fqn] = sorted((max(c.offsets[0], table.begin), min(c.offsets[0] + c.sizes[0], table.end))
-                               for c in self.metadata.state_dict_metadata[fqn].chunks
-                               if c.offsets[0] < table.end and table.begin < c.offsets[0] + c.sizes[0])
-        if len({tuple(c) for c in cuts.values()}) > 1:
-            raise ValueError(f"{self._checkpoint}: KV-ZCH table '{table.name}' has entries "
-                             f"{sorted(cuts)} saved in chunks cut at different rows; they must be "
-                             "cut alike to be loaded row by row (re-save the table with one chunking)")
 
     def _skip(self, fqn: str, table: TableLoad | None = None) -> None:
         """Read nothing for ``fqn``; a table's skipped entries are still verified."""

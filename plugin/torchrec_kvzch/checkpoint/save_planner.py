@@ -46,6 +46,7 @@ class KVZCHSavePlanner(DefaultSavePlanner):
             raise ValueError(f"the state dict to save has a key '{PLANNER_DATA_KEY}', which "
                              "KVZCHSavePlanner keeps for its record in the checkpoint's metadata; "
                              "rename that entry")
+        _check_snapshots(self.state_dict)
         directory = getattr(storage_meta, "checkpoint_id", None)
         rank = dist.get_rank() if dist.is_initialized() else 0
         self._checksums = (ChecksumRecorder(str(directory), rank, is_coordinator)
@@ -125,3 +126,23 @@ def _rows_per_rank(entry) -> list[int]:
     shards = entry.metadata().shards_metadata
     world = 1 + max(s.placement.rank() for s in shards)
     return [sum(s.shard_sizes[0] for s in shards if s.placement.rank() == r) for r in range(world)]
+
+
+def _check_snapshots(state_dict: dict) -> None:
+    """Every entry of a table must come from one state dict taken right before the save (the
+    optimizer's after the model's, which builds its views): else the checkpoint would mix
+    moments. A frozen snapshot (an async save's) was checked when it was frozen."""
+    by_store: dict = {}
+    for fqn, obj in state_dict.items():
+        view = kv_view(obj)
+        if view is not None and view.part is not RowPart.ID:  # (a delta's deleted ids: their own)
+            by_store.setdefault(view.store, {}).setdefault(view.snapshot, []).append(fqn)
+    for store, snapshots in by_store.items():
+        if len(snapshots) > 1:
+            raise ValueError(f"the state dict to save holds entries of KV-ZCH table '{store.params.name}' "
+                             f"from {len(snapshots)} state_dict() calls ({sorted(min(f) for f in snapshots.values())}"
+                             " first of each): take the model's state_dict() and then the optimizer's, right "
+                             "before the save")
+        [snapshot] = snapshots
+        if not snapshot.frozen:
+            snapshot.check_fresh()

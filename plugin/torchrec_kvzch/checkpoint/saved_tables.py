@@ -84,3 +84,31 @@ class SavedTables:
                 f"with num_embeddings {saved.num_embeddings}; this model's num_embeddings {limit} "
                 f"cannot hold them. Use num_embeddings > {largest} (a multiple of total_num_buckets) "
                 "or remap the ids")
+
+    def _check_aligned(self, table: TableLoad) -> None:
+        """The parts of a split table are joined chunk by chunk: all must be saved in chunks
+        cut at the same rows (ours and upstream's are)."""
+        if not table.split:
+            return
+        cuts = {}
+        for fqn in table.parts:
+            cuts[fqn] = sorted((max(c.offsets[0], table.begin), min(c.offsets[0] + c.sizes[0], table.end))
+                               for c in self.metadata.state_dict_metadata[fqn].chunks
+                               if c.offsets[0] < table.end and table.begin < c.offsets[0] + c.sizes[0])
+        if len({tuple(c) for c in cuts.values()}) > 1:
+            raise ValueError(f"{self._checkpoint}: KV-ZCH table '{table.name}' has entries "
+                             f"{sorted(cuts)} saved in chunks cut at different rows; they must be "
+                             "cut alike to be loaded row by row (re-save the table with one chunking)")
+
+    def _check_admission_blocks(self, table: TableLoad, name: str, size, saved_world: int, block) -> None:
+        """Admission state saved at another world size or bucket split is merged block by block
+        (``admission_state.merge``) after the rows are in: its blocks must fit this shard's,
+        checked here while nothing has changed."""
+        rows = size[0] // saved_world  # (saved_world: the saved totals' blocks, >= 1)
+        saved = [rows, *size[1:]] if rows * saved_world == size[0] else None
+        if saved == list(block.shape):
+            return
+        shown = f"{saved} per rank (saved at world size {saved_world})" if saved else f"{list(size)} over {saved_world} ranks"
+        raise ValueError(f"{self._checkpoint}: KV-ZCH table '{table.name}' was saved with a '{name}' of "
+                         f"{shown}, this model's is {list(block.shape)} per rank: load it into a table "
+                         "with the admission sketch (and default row) it was saved with")

@@ -115,6 +115,16 @@ class RowSnapshot:
                              f"since this state dict was taken, so it cannot be {what}; take the "
                              "state dict again right before saving")
 
+    def check_fresh(self) -> None:
+        """A state dict saves its tables as of the moment it was taken (rows, clock, counters);
+        after a training step, load or write, a plain snapshot would read today's rows under
+        that moment's ids and history, a checkpoint of two moments: refused."""
+        if self.mark != self.store.mark() or self.epoch != self.store.epoch:
+            raise ValueError(f"KV-ZCH table '{self.store.params.name}': the state dict to save was taken "
+                             "before the table last changed (a training step, load or write since), so "
+                             "it would save rows of two moments; take a fresh state_dict() (the model's, "
+                             "then the optimizer's) right before each save")
+
     @property
     def frozen(self) -> bool:
         return self._frozen is not None
@@ -144,6 +154,7 @@ class RowSnapshot:
             raise ValueError(f"table '{name}': this state dict is already being saved "
                              "asynchronously; take a new state dict for each save")
         self._check_current("saved asynchronously")
+        self.check_fresh()
         self._frozen = _Frozen(self.store, self.ids, self.slots, self.positions)
         self.store.pin(self._frozen)
         if self.positions is not None:

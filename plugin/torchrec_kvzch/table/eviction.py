@@ -48,7 +48,6 @@ import torch
 
 from torchrec_kvzch.params import EvictionKind, EvictionPolicy, EvictionTrigger
 from torchrec_kvzch.table.id_map import as_ids
-from torchrec_kvzch.table.shard_rows import batch_rows, locate, meta_parts, new_rows, shard_ids, shard_meta, shard_rows
 from torchrec_kvzch.table.layout import (
     decayed,
     meta_count,
@@ -59,6 +58,7 @@ from torchrec_kvzch.table.layout import (
     touch_scores,
     weight_norms,
 )
+from torchrec_kvzch.table.shard_rows import batch_rows, locate, meta_parts, new_rows, shard_ids, shard_meta, shard_rows
 
 logger = logging.getLogger(__name__)
 
@@ -286,8 +286,9 @@ class Evictor:
             return (norms if store.cache is None else torch.cat([norms, store.cache.tier.norm])) < policy.l2_threshold
         # fbgemm sets a feature-score cut from the scores before the pass decays them, and
         # compares the decayed ones with it.
-        before = meta_score(shard_meta(store)) if self.scored else None
-        if self.kind is not EvictionKind.TTL and policy.count_decay < 1.0 and self._decay_due():
+        decay = self.kind is not EvictionKind.TTL and policy.count_decay < 1.0 and self._decay_due()
+        before = meta_score(shard_meta(store)) if self.scored and decay else None
+        if decay:
             store.before_header_rewrite(decay=policy.count_decay)
             for words in meta_parts(store):
                 words.copy_(decayed(words, policy.count_decay, scores=self.scored))
@@ -295,8 +296,9 @@ class Evictor:
         if self.kind is EvictionKind.TTL:
             return self._past_ttl(meta)
         if self.scored:
-            return lowest_scores(before, policy.keep_rows, policy.score_bucket_width, policy.score_buckets,
-                                 meta_score(meta))
+            after = meta_score(meta)
+            return lowest_scores(after if before is None else before, policy.keep_rows, policy.score_bucket_width,
+                                 policy.score_buckets, after)
         rare = meta_count(meta) < policy.count_threshold
         if policy.ttl_steps is None and policy.ttl_minutes is None:
             return rare

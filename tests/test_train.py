@@ -348,7 +348,15 @@ def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
         check_args(parse_args(["--config", QUICKSTART, "--crash-drill", "5:2"]), 2)
     with pytest.raises(UsageError, match="--crash-drill '0:9': step 9 is never trained by a run to --steps 9"):
         check_args(parse_args(["--config", QUICKSTART, "--crash-drill", "0:9", "--steps", "9"]), 2)
-    check_args(parse_args(["--config", QUICKSTART, "--crash-drill", "0:9:save", "--steps", "9"]), 2)
+    fresh = ["--config", QUICKSTART, "--run-dir", str(tmp_path / "fresh")]
+    check_args(parse_args([*fresh, "--crash-drill", "0:9:save", "--steps", "9"]), 2)
+    with pytest.raises(UsageError, match="--crash-drill '0:4': this run resumes at step 5, so step 4 never comes"):
+        check_args(parse_args([*fresh, "--crash-drill", "0:4", "--resume", "5"]), 2)
+    (tmp_path / "fresh" / "checkpoints" / "step-00000006").mkdir(parents=True)  # (what resume auto finds)
+    (tmp_path / "fresh" / "checkpoints" / "step-00000006" / ".metadata").touch()
+    with pytest.raises(UsageError, match="resumes at step 6, so step 6 never comes; use a later step, or --resume none"):
+        check_args(parse_args([*fresh, "--crash-drill", "0:6:save"]), 2)
+    check_args(parse_args([*fresh, "--crash-drill", "0:6:save", "--resume", "none"]), 2)
     with pytest.raises(UsageError, match=r"--new-id-fraction 2.0: must be in \[0, 1\)"):
         check_args(parse_args(["--config", QUICKSTART, "--new-id-fraction", "2"]), 2)
     # One line, exit status 2, as argparse's own errors (and a config's).

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.job import config_path
 from torchrec_kvzch.params import AdmissionPolicy
 from torchrec_kvzch.torchrec.config import ShardingConfig, load_config
@@ -108,6 +109,11 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         if step > args.steps or (step == args.steps and not save):
             raise UsageError(f"--crash-drill {args.crash_drill!r}: step {step} is never "
                              f"{'saved' if save else 'trained'} by a run to --steps {args.steps}; use an earlier step")
+        start = (0 if args.resume == "none" else int(args.resume) if args.resume.isdigit()
+                 else CheckpointManager(args.run_dir / "checkpoints").latest() or 0)
+        if step <= start:
+            raise UsageError(f"--crash-drill {args.crash_drill!r}: this run resumes at step {start}, so step "
+                             f"{step} never comes; use a later step, or --resume none")
     if not 0 <= args.new_id_fraction < 1:
         raise UsageError(f"--new-id-fraction {args.new_id_fraction}: must be in [0, 1)")
     args.device = job_device(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))

@@ -9,7 +9,7 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from hypothesis import given, settings, strategies as st
 
-from torchrec_kvzch import KVZCHTableParams, TableTBE
+from torchrec_kvzch import EvictionPolicy, KVZCHTableParams, TableTBE
 from torchrec_kvzch.params import AdmissionPolicy, CachePolicy, DiskStorage
 from torchrec_kvzch.table import disk_cache
 from torchrec_kvzch.table.disk_cache import lowest
@@ -107,10 +107,37 @@ def test_what_a_disk_tier_cannot_do_is_refused_by_name(tmp_path):
         KVZCHTableParams("t", 16, storage=DiskStorage(cache_bytes=1 << 20))
     with pytest.raises(ValueError, match="storage needs one of cache_bytes .* got neither"):
         KVZCHTableParams("t", 16, storage=DiskStorage(tmp_path))
+    for name in ("../up", "a/b", "/abs", ".."):  # (the tier's folder is storage.path / name)
+        with pytest.raises(ValueError, match="name names the disk tier's folder .* one path component"):
+            KVZCHTableParams(name, 16, storage=DiskStorage(tmp_path, cache_bytes=1 << 20))
     disk, _ = tables(tmp_path, 20)
     tbe = TableTBE(disk, disk.bucket_range(0, 1), num_features=1, pooling=PoolingMode.SUM)
     with pytest.raises(ValueError, match="a batch of 30 distinct ids .* does not fit its DRAM cache of 20 rows"):
         tbe(torch.arange(30) * 2**20, torch.arange(31))
+
+
+def test_refused_batches_and_writes_change_nothing_over_a_disk_tier(tmp_path):
+    """A batch too large for the cache is refused before admission and eviction run (a budget and
+    a TTL would otherwise have dropped rows, admission counted ids); a write with one id of
+    another shard is refused before its first piece is written."""
+    disk, _ = tables(tmp_path, 20, eviction=EvictionPolicy("lru", max_rows=25),
+                     admission=AdmissionPolicy("count", min_count=2))
+    tbe = TableTBE(disk, disk.bucket_range(0, 2), num_features=1, pooling=PoolingMode.SUM)
+    store = tbe.store
+    for step in range(6):  # (each id twice: admitted on its second sighting)
+        tbe(torch.arange(10) + 10 * (step // 2), torch.arange(11)).sum().backward()
+
+    def state():
+        ids = torch.sort(torch.cat([store.keys(), store.cache.tier.keys()])).values
+        return ids.tolist(), store.clock, dict(store.counters)
+    before = state()
+    with pytest.raises(ValueError, match="a batch of 30 distinct ids .* does not fit"):
+        tbe(torch.arange(100, 130), torch.arange(31))
+    assert state() == before
+    r = store.bucket_range
+    with pytest.raises(ValueError, match="outside this shard's ids"):
+        tbe.write(torch.cat([torch.arange(200, 240), torch.tensor([r.id_end + 5])]), torch.randn(41, 16))
+    assert state() == before
 
 
 def test_a_snapshot_reads_both_tiers_as_one_table_plain_frozen_and_changed(tmp_path):

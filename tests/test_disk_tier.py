@@ -181,6 +181,22 @@ def test_a_directory_is_one_openers_and_a_killed_runs_files_are_discarded(tmp_pa
     fresh.close()
 
 
+def test_an_io_error_is_an_exception_and_a_dropped_tier_in_a_cycle_lets_its_directory_go(tmp_path):
+    """A failed read or write inside the native op's threads reaches Python as an error (it
+    used to abort the process); a tier only a reference cycle holds is collected when its
+    directory is opened again by this process."""
+    t = DiskTier(tmp_path / "a", ROW, "user")
+    t.put(torch.arange(20), rows_of(list(range(20)), 0))
+    os.truncate(t.path, 0)
+    with pytest.raises(RuntimeError, match="disk tier: reading .* failed: end of file"):
+        t.read(torch.arange(20))
+    t.close()
+    cycle = [DiskTier(tmp_path / "b", ROW, "user")]
+    cycle.append(cycle)
+    del cycle
+    DiskTier(tmp_path / "b", ROW, "user").close()
+
+
 def test_a_tier_the_collector_finalises_does_not_wait_for_its_reader_thread(tmp_path):
     """The garbage collector may finalise a tier inside any allocation, as in a thread starting up
     while it holds threading's shutdown lock; a join of the tier's reader thread then takes that

@@ -142,6 +142,9 @@ class KVZCHTableParams:
         if not isinstance(self.storage, DiskStorage):
             fail("storage", f"must be a DiskStorage, got {type(self.storage).__name__}", "pass DiskStorage(...)")
         object.__setattr__(self, "storage", self.storage.validate(self.name))
+        if self.storage.enabled and (self.name in (".", "..") or "/" in self.name or "\0" in self.name):
+            fail("name", "names the disk tier's folder under storage.path, so it must be one path component "
+                 "(no '/', not '.' or '..')", "rename the table")
         if not isinstance(self.device_cache, DeviceCache):
             fail("device_cache", f"must be a DeviceCache, got {type(self.device_cache).__name__}",
                  "pass DeviceCache(...)")

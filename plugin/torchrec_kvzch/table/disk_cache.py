@@ -78,15 +78,20 @@ class DiskCache:
         """Whether each id has a row on disk."""
         return self.tier.find(ids)
 
+    def check_fits(self, ids: torch.Tensor) -> None:
+        """Refuse a training batch whose distinct ids (admitted or not) outnumber the DRAM cache,
+        before admission or eviction changes anything."""
+        store, ids = self.store, as_ids(ids, self.store.device, check=False)
+        if ids.numel() > self.max_rows and (n := torch.unique(ids).numel()) > self.max_rows:
+            raise ValueError(f"KV-ZCH table '{store.params.name}': a batch of {n} distinct ids on the shard of "
+                             f"buckets [{store.bucket_range.start}, {store.bucket_range.end}) does not fit its DRAM "
+                             f"cache of {self.max_rows} rows; raise storage.cache_bytes")
+
     def before_lookup(self, ids: torch.Tensor) -> None:
         """Make DRAM hold every row of the batch ``ids`` that exists, and room for its new ones,
         within ``max_rows``."""
         store = self.store
         ids = torch.unique(as_ids(ids, store.device, check=False))
-        if ids.numel() > self.max_rows:
-            raise ValueError(f"KV-ZCH table '{store.params.name}': a batch of {ids.numel()} distinct ids on the "
-                             f"shard of buckets [{store.bucket_range.start}, {store.bucket_range.end}) does not fit "
-                             f"its DRAM cache of {self.max_rows} rows; raise storage.cache_bytes")
         absent = ids[store.find(ids) < 0]
         incoming = absent[self.tier.find(absent)]
         if not self.writing:
@@ -117,6 +122,7 @@ class DiskCache:
         time, after the piece's rows on disk came in (so that each id is in one tier, and a
         part written keeps the others). Returns the rows written."""
         piece, written = max(1, self.max_rows // 2), 0
+        self.store.find(ids)  # (ids outside the shard: refused before the first piece changes anything)
         self.writing = True
         try:
             for at in range(0, ids.numel(), piece):

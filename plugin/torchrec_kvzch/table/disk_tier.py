@@ -2,32 +2,30 @@
 disk (issue 32; docs/design.md, "The disk tier's storage engine", says why this engine).
 
 A row is in DRAM or here, never both: the row store moves rows here when they leave its cache
-(``put``) and back when a batch needs them (``take``). The file holds whole rows of a fixed
-size at positions, grouped in units (4 KiB, or the multiple of it one row needs), and is read
-and written a unit at a time with ``O_DIRECT`` (``disk_io.py``: the native op's pool of I/O
-threads), so nothing goes through the page cache. In memory: the id map (id -> entry), each entry's position, which positions are used,
-each unit's count of rows and, given ``meta_at`` (where a row's header word sits), each entry's
-header word (``meta``), which the tier owns: reads return rows with it, so a checkpoint tells
-changed rows and eviction ranks rows without reading the disk, and a rewrite of every header
-(lfu's count decay) never touches the file. ``keep_norms``: each entry's weight norm too, given
-to ``put`` (the ``l2`` eviction rule). ``generation`` counts the changes, for readers that cache
-positions.
+(``put``) and back when a batch needs them (``take``). The file holds whole rows of a fixed size
+at positions, grouped in units (4 KiB, or the multiple of it one row needs), read and written a
+unit at a time with ``O_DIRECT`` (``disk_io.py``: the native op's pool of I/O threads), never
+through the page cache. In memory: the id map (id -> entry), each entry's position, which
+positions are used, each unit's count of rows and, given ``meta_at`` (a row's header word),
+each entry's header word (``meta``), which the tier owns: reads return rows with it, so
+checkpoints and eviction read headers without the disk, and lfu's decay never touches the file.
+``keep_norms``: each entry's weight norm too (the ``l2`` rule). ``generation`` counts changes.
 
 Placement: rows put go to whole free units (written without a read) or new units at the end
 while the file stays within ``SLACK`` times the rows it holds; past that, into the free
-positions of partly used units first (read, patched, written back). So the file never holds
-more than ``SLACK`` times its largest row count, plus a unit. Positions freed while a reader
-``hold``-s the tier (a checkpoint's frozen snapshot reading rows at their positions) are reused
-only once every holder has let go.
+positions of partly used units first (read, patched, written back): the file never holds more
+than ``SLACK`` times its largest row count, plus a unit. Positions freed while a reader
+``hold``-s the tier (a checkpoint's frozen snapshot) are reused once every holder let go.
 
-The directory is the tier's alone: a lock (``flock``) held while the tier is open refuses any
-other opener, naming the holder; what a previous run left there is discarded on open (the tier
-caches training state; checkpoints are its durable copy).
+The directory is the tier's alone: a lock (``flock``) held while open refuses any other opener,
+naming the holder; what a previous run left there is discarded on open (the tier caches
+training state; checkpoints are its durable copy).
 """
 
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import socket
 import time
@@ -105,7 +103,7 @@ class DiskTier:
         self.bytes_read = self.bytes_written = 0
         self.read_seconds = 0.0  # waited for reads, so far (a benchmark's measure of the disk)
 
-    def _take_lock(self):
+    def _take_lock(self, collected: bool = False):
         lock = open(self.dir / "LOCK", "a+")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -113,6 +111,9 @@ class DiskTier:
             lock.seek(0)
             holder = lock.read().strip() or "another process"
             lock.close()
+            if not collected and holder == f"pid {os.getpid()} on {socket.gethostname()}":
+                gc.collect()  # (a dropped model's tier this process still holds, in a reference cycle)
+                return self._take_lock(collected=True)
             raise RuntimeError(f"disk tier of table '{self.name}': {self.dir} is in use by {holder}; two jobs or "
                                "two tables must not share a tier's files: give each its own storage path") from None
         lock.truncate(0)
@@ -387,8 +388,7 @@ class DiskTier:
 
     def _write(self, positions: torch.Tensor, rows: torch.Tensor, partial: torch.Tensor) -> None:
         read, written = write_units(self.fd, positions, rows, partial, self.unit, self.io_threads, self.native)
-        self.bytes_read += read
-        self.bytes_written += written
+        self.bytes_read, self.bytes_written = self.bytes_read + read, self.bytes_written + written
 
 
 def _room(buffer: torch.Tensor, n: int) -> torch.Tensor:

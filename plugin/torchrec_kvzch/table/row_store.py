@@ -109,6 +109,8 @@ class RowStore:
         if self._pending and len(self) + ids.numel() > self.capacity:
             raise self._pending.refuse_growth(self.params.name, self.capacity)
         self.evictor.check_scores(scores)
+        if self.cache is not None:
+            self.cache.check_fits(ids)
         self.clock, ok = self.clock + 1, None
         try:  # a refusal (ids outside the shard, ...) comes before any row changes: undo the step
             if self.admission is not None:
@@ -159,8 +161,7 @@ class RowStore:
         return slots
 
     def delete(self, ids: torch.Tensor, moved: bool = False) -> int:
-        """Remove the rows of ids (absent ids are ignored); returns how many were removed. ``moved``:
-        the rows went to the disk tier (the table keeps them: no change)."""
+        """Remove the rows of ids (absent: ignored); returns how many. ``moved``: they went to the disk tier."""
         before = len(self)
         if self._frozen:  # the deleted rows, and the tail rows compaction moves into their slots
             found = torch.unique(self.find(ids))
@@ -191,8 +192,7 @@ class RowStore:
     # -- reads --------------------------------------------------------------------------------
     def read(self, slots: torch.Tensor, part: RowPart = RowPart.WEIGHT, *, keys: torch.Tensor | None = None,
              arrays: RowArrays | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows at live slots, as ``part``; from ``arrays`` (then with the rows' ``keys``)
-        instead of the live ones; into ``out`` (a save reuses one buffer: fewer page faults)."""
+        """Rows at live slots, as ``part``; from ``arrays`` (with the rows' ``keys``), into ``out`` (a save's buffer)."""
         slots = slots.reshape(-1).long()
         keys = self.id_map.slot_keys[slots] if keys is None else keys
         if self.row_cache is not None and arrays is None and RowPart(part) in (RowPart.WEIGHT, RowPart.ROW):

@@ -6,10 +6,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +52,34 @@ void full_io(bool write, int64_t fd, uint8_t* buf, int64_t bytes, int64_t offset
     done += n;
   }
 }
+
+// The first error raised inside an OpenMP loop, rethrown after it: an exception must not leave
+// a parallel region (it would terminate the process), and a failed read or write must reach
+// Python as an error it can report.
+class LoopError {
+ public:
+  template <class F>
+  void run(F&& body) {
+    if (failed_.load(std::memory_order_relaxed)) return;  // (the rest of the loop is skipped)
+    try {
+      body();
+    } catch (const c10::Error& e) {
+      keep(e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      keep(e.what());
+    }
+  }
+  void rethrow() const { TORCH_CHECK(!failed_.load(), message_); }
+
+ private:
+  void keep(const char* what) {
+    std::lock_guard<std::mutex> hold(mutex_);
+    if (!failed_.exchange(true)) message_ = what;
+  }
+  std::atomic<bool> failed_{false};
+  std::mutex mutex_;
+  std::string message_;
+};
 
 // Runs of consecutive units among the sorted (position, row) pairs: [begin, end) of `order`.
 std::vector<std::pair<int64_t, int64_t>> unit_runs(const std::vector<std::pair<int64_t, int64_t>>& order,
@@ -92,21 +122,25 @@ void disk_read(int64_t fd, const at::Tensor& positions, at::Tensor out, int64_t 
   auto order = sorted_positions(positions);
   auto runs = unit_runs(order, per_unit);
   uint8_t* o = out.data_ptr<uint8_t>();
+  LoopError error;
 #pragma omp parallel num_threads(std::max<int64_t>(1, threads))
   {
     Aligned scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < (int64_t)runs.size(); ++r) {
-      auto [b, e] = runs[r];
-      int64_t first = order[b].first / per_unit, last = order[e - 1].first / per_unit;
-      uint8_t* buf = scratch.get((last - first + 1) * unit);
-      full_io(false, fd, buf, (last - first + 1) * unit, first * unit);
-      for (int64_t j = b; j < e; ++j) {
-        int64_t pos = order[j].first, u = pos / per_unit - first;
-        std::memcpy(o + order[j].second * row, buf + u * unit + (pos % per_unit) * row, row);
-      }
+      error.run([&] {
+        auto [b, e] = runs[r];
+        int64_t first = order[b].first / per_unit, last = order[e - 1].first / per_unit;
+        uint8_t* buf = scratch.get((last - first + 1) * unit);
+        full_io(false, fd, buf, (last - first + 1) * unit, first * unit);
+        for (int64_t j = b; j < e; ++j) {
+          int64_t pos = order[j].first, u = pos / per_unit - first;
+          std::memcpy(o + order[j].second * row, buf + u * unit + (pos % per_unit) * row, row);
+        }
+      });
     }
   }
+  error.rethrow();
 }
 
 // `rows` [n, row_bytes] to `positions` (distinct). Units listed in `partial` (ascending) hold
@@ -127,31 +161,35 @@ std::tuple<int64_t, int64_t> disk_write(int64_t fd, const at::Tensor& positions,
   const uint8_t* src = rows.data_ptr<uint8_t>();
   const int64_t *pb = partial.data_ptr<int64_t>(), *pe = pb + partial.numel();
   int64_t read = 0, written = 0;
+  LoopError error;
 #pragma omp parallel num_threads(std::max<int64_t>(1, threads)) reduction(+ : read, written)
   {
     Aligned scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < (int64_t)runs.size(); ++r) {
-      auto [b, e] = runs[r];
-      int64_t first = order[b].first / per_unit, last = order[e - 1].first / per_unit;
-      uint8_t* buf = scratch.get((last - first + 1) * unit);
-      for (int64_t u = first; u <= last; ++u) {
-        uint8_t* at = buf + (u - first) * unit;
-        if (std::binary_search(pb, pe, u)) {
-          full_io(false, fd, at, unit, u * unit);
-          read += unit;
-        } else {
-          std::memset(at, 0, unit);
+      error.run([&] {
+        auto [b, e] = runs[r];
+        int64_t first = order[b].first / per_unit, last = order[e - 1].first / per_unit;
+        uint8_t* buf = scratch.get((last - first + 1) * unit);
+        for (int64_t u = first; u <= last; ++u) {
+          uint8_t* at = buf + (u - first) * unit;
+          if (std::binary_search(pb, pe, u)) {
+            full_io(false, fd, at, unit, u * unit);
+            read += unit;
+          } else {
+            std::memset(at, 0, unit);
+          }
         }
-      }
-      for (int64_t j = b; j < e; ++j) {
-        int64_t pos = order[j].first;
-        std::memcpy(buf + (pos / per_unit - first) * unit + (pos % per_unit) * row, src + order[j].second * row, row);
-      }
-      full_io(true, fd, buf, (last - first + 1) * unit, first * unit);
-      written += (last - first + 1) * unit;
+        for (int64_t j = b; j < e; ++j) {
+          int64_t pos = order[j].first;
+          std::memcpy(buf + (pos / per_unit - first) * unit + (pos % per_unit) * row, src + order[j].second * row, row);
+        }
+        full_io(true, fd, buf, (last - first + 1) * unit, first * unit);
+        written += (last - first + 1) * unit;
+      });
     }
   }
+  error.rethrow();
   return {read, written};
 }
 

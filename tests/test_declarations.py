@@ -432,14 +432,62 @@ def train_twins(rank, world):
     opt = a.fused_optimizer
     for group in opt.param_groups:
         group["lr"] = 0.0
+    opt.zero_grad()  # (where TorchRec's fused optimizers apply a changed lr)
     batch = _batch(rank, 3, ["f_user"])  # ids seen before: their rows exist
     frozen = step_moves(batch) == 0.0
     for group in opt.param_groups:
         group["lr"] = 0.1
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)  # warm-up at half the rate
+    opt.zero_grad()
     delta = step_moves(batch)
     scheduler.step()
     return dict(same=same, unscaled=unscaled, frozen=frozen, delta=delta, lrs=[g["lr"] for g in opt.param_groups])
+
+
+def lr_per_update(rank, world, loop):
+    """SGD on one id of a KV-ZCH table and of an ordinary FUSED table in one EBC, with a halving
+    LambdaLR stepped after each update: each table's lr per update (its row's move)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_kvzch.torchrec.tables import kvzch_tables
+
+    kv = config(name="user")
+    plain = EmbeddingBagConfig(name="plain", embedding_dim=16, num_embeddings=10, feature_names=["f_plain"])
+    model = _dmp(rank, world, [kv, plain], {"plain": ParameterConstraints(sharding_types=["row_wise"],
+                                                                          compute_kernels=["fused"])},
+                 {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 1.0})
+    opt = model.fused_optimizer
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch)
+    batch = KeyedJaggedTensor(keys=["f_user", "f_plain"], values=torch.tensor([5, 3]),
+                              lengths=torch.tensor([1, 1]))
+    [(_, tbe)] = kvzch_tables(model)
+
+    def rows():  # (id 5 of the KV-ZCH table, id 3 of the ordinary one)
+        plain_rows = model.state_dict()["embedding_bags.plain.weight"].local_shards()[0].tensor
+        return tbe.store.read_ids(torch.tensor([5]))[0].clone(), plain_rows[3].clone()
+
+    moves = []
+    for _ in range(4):
+        if loop == "zero_grad first":
+            opt.zero_grad()
+        out = model(batch).wait().values()
+        before = rows()
+        out.sum().backward()
+        moves.append(tuple(float((b - a).mean()) for b, a in zip(before, rows())))
+        opt.step()
+        if loop == "zero_grad last":
+            opt.zero_grad()
+        scheduler.step()
+    return moves
+
+
+@pytest.mark.parametrize("loop", ["zero_grad first", "zero_grad last"])
+def test_lr_changes_reach_kvzch_and_ordinary_tables_at_the_same_update(pools, loop):
+    """TorchRec's fused optimizers apply a changed lr at zero_grad() or step(): ours too."""
+    [moves] = pools[1].run(lr_per_update, loop)
+    assert all(kv == pytest.approx(plain) for kv, plain in moves), moves
+    assert [kv for kv, _ in moves] == pytest.approx([1.0, 0.5, 0.25, 0.125] if loop == "zero_grad first"
+                                                    else [1.0, 1.0, 0.5, 0.25])
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -479,6 +527,7 @@ def load_declared(rank, world, root):
     model.load_state_dict(state["model"])
     model.fused_optimizer.load_state_dict(state["optim"])
     rows = {name: _rows(model, name)[1:] for name in ("user", "seq")}
+    model.fused_optimizer.zero_grad()  # (a training loop's: the loaded lr reaches the tables)
     model(_batch(rank, 3, ["f_user"]), _batch(rank, 3, ["f_seq"])).backward()
     used = {_rows(model, name)[0].tbe.get_learning_rate() for name in ("user", "seq")}
     return rows, sorted({g["lr"] for g in model.fused_optimizer.param_groups} | used)

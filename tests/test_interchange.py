@@ -32,6 +32,7 @@ from torchrec_kvzch import KVZCHLoadPlanner, KVZCHSavePlanner
 from torchrec_kvzch.checkpoint.record import PLANNER_DATA_KEY, CheckpointMappings, SavedTable, saved_record
 from torchrec_kvzch.torchrec.state_dict import kv_view
 from torchrec_kvzch.torchrec import KVZCHConstraints, kvzch_embedding_bag_config, kvzch_tables
+from torchrec_kvzch.torchrec.tables import kvzch_kernels
 from torchrec_kvzch.table.snapshot import RowSnapshot
 from torchrec_kvzch.table.layout import make_meta, meta_timestamp, meta_used
 
@@ -337,6 +338,12 @@ def load_state_dict_across(rank, world):
         assert torch.equal(torch.sort(ids).values, weight.snapshot.ids) and torch.equal(ids, weight.snapshot.ids)
         assert torch.equal(weight.get_weights_by_ids(ids[:5]).view(torch.int32),
                            weight.narrow(0, 0, 5).view(torch.int32))
+
+    # The weight snapshots as TorchRec's lookups hand them out (its KV-ZCH kernels' accessor).
+    lookups = [x for m in source.modules() for x in getattr(m, "_lookups", ())]
+    out["snapshot names"] = sorted(name for x in lookups for name, *_ in x.get_named_split_embedding_weights_snapshot())
+    kernel = next(kvzch_kernels(source))
+    out["prefixed"] = sorted(name for name, *_ in kernel.get_named_split_embedding_weights_snapshot(prefix="p"))
     return out
 
 
@@ -344,6 +351,38 @@ def test_load_state_dict_from_another_model_and_from_upstream(pools):
     for out in pools[2].run(load_state_dict_across):
         assert out["other model"] and out["upstream"] and out["upstream history"]
         assert out["bogus"] is not None and "embedding_bags.t.bogus" in out["bogus"]
+        assert out["snapshot names"] == sorted(name for name, _ in TABLES)
+        assert out["prefixed"] == sorted(f"p.{name}" for name, _ in TABLES)
+
+
+def dense_state_into_whole_rows(rank, world):
+    """TorchRec's own row-wise FUSED table (every row's Adagrad state 1.0) loaded, model then
+    optimizer state dict, into the same table declared KV-ZCH, as TorchRec does it (whole rows):
+    each id's weights and optimizer state."""
+    from torchrec.distributed.planner import ParameterConstraints
+
+    def build(kv):
+        config = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"],
+                                    use_virtual_table=kv, total_num_buckets=4 if kv else None)
+        plain = {"t": ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"])}
+        return sharded(EmbeddingBagCollection(tables=[config], device=torch.device("meta")), None if kv else plain,
+                       fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1})
+
+    source = build(False)
+    batch = KeyedJaggedTensor(keys=["f"], values=torch.arange(64), lengths=torch.ones(64, dtype=torch.long))
+    source(batch).wait().values().sum().backward()
+    target = build(True)
+    target.load_state_dict(source.state_dict())
+    target.state_dict()
+    target.fused_optimizer.load_state_dict(source.fused_optimizer.state_dict())
+    [(_, tbe)] = kvzch_tables(target)
+    ids = torch.sort(tbe.store.keys()).values
+    return tbe.store.params.backend_return_whole_row, tbe.store.read_ids(ids, RowPart.OPTIMIZER).view(-1).tolist()
+
+
+def test_a_dense_tables_optimizer_state_loads_into_whole_rows(pools):
+    for whole, state in pools[2].run(dense_state_into_whole_rows):
+        assert whole and state == [1.0] * 32
 
 
 # -- 5. set_range as fbgemm's KVTensorWrapper ----------------------------------------------------

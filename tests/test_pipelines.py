@@ -146,11 +146,11 @@ def _prefetch_beside_torchrecs_kernels(rank: int, world_size: int, sequence: boo
     from test_sharding import BASE, build
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from torchrec_kvzch.torchrec.lookups import _Prefetch
+    from torchrec_kvzch.torchrec.lookups import _WithOurKernels
 
     case = dict(BASE, pooling=None) if sequence else BASE
     model = build(world_size, case, {}, twin=False)
-    (lookup,) = [x for m in model.modules() for x in getattr(m, "_lookups", ()) if isinstance(x, _Prefetch)]
+    (lookup,) = [x for m in model.modules() for x in getattr(m, "_lookups", ()) if isinstance(x, _WithOurKernels)]
     lookup._need_prefetch = True  # (the sequence lookup's flag: set where a caching table shares it)
     kernels = [type(kernel).__name__ for kernel in lookup._emb_modules]
     theirs = []  # what TorchRec's own kernel is handed (its fbgemm prefetch needs CUDA)

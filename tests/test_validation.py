@@ -27,8 +27,9 @@ def _bad_batches():
         ("lengths per feature", ["user_id", "category"], [5, 6, 1, 2], [1, 1, 1, 1, 0], None,
          "5 lengths for the 2 features"),
         ("weights per id", ["user_id", "category"], [5, 6, 1, 2], ones, [1.0, 1.0], "2 weights for 4 ids"),
-        ("unknown feature", ["user_idd", "category"], [5, 6, 1, 2], ones, None,
-         "features ['user_idd'] are not read by any table"),
+        ("misspelt feature", ["user_idd", "category"], [5, 6, 1, 2], ones, None,
+         "features ['user_id'] (tables ['user']) are missing from the batch; pass them, with zero lengths "
+         "if they have no ids (the batch's features ['user_idd'] are read by no table here)"),
         ("missing feature", ["user_id"], [5, 6], [1, 1], None,
          "features ['category'] (tables ['category']) are missing from the batch"),
         ("features reordered", ["category", "user_id"], [1, 2, 5, 6], ones, None,
@@ -94,6 +95,13 @@ def _battery(rank, world_size, sequence):
     unchanged = (before[0] == after[0] and before[1] == after[1] and torch.equal(before[2], after[2])
                  and all(torch.equal(before[3][k], after[3][k]) for k in before[3]))
     run(["user_id", "category"], [7, 11, 3, 4], [1, 1, 1, 1])  # the model still trains afterwards
+    # Another module's feature passes, ids unread, as in TorchRec; between ours it would move them.
+    run(["user_id", "category", "other"], [7, 11, 3, 4, -5, 10**15], [1] * 6)
+    try:
+        run(["user_id", "other", "category"], [7, 11, -5, 10**15, 3, 4], [1] * 6)
+        errors["other module's feature between ours"] = None
+    except ValueError as e:
+        errors["other module's feature between ours"] = str(e)
     return errors, unchanged, len(store)
 
 
@@ -103,4 +111,5 @@ def test_bad_batches_fail_naming_feature_and_table_before_anything_changes():
         for what, *_, fragment in _bad_batches():
             assert errors[what] is not None and fragment in errors[what], (sequence, what, errors[what])
         assert unchanged, sequence
+        assert "TorchRec routes features by the first batch's order" in errors["other module's feature between ours"]
         assert rows == 3  # 7 and 2**39 from the first batch, 11 from the last

@@ -125,15 +125,20 @@ def write_refused(rank, world):
     model = cache_model(rank, world)
     bad = KeyedJaggedTensor(keys=["f_seq"], values=torch.tensor([5]), lengths=torch.tensor([1]),
                             weights=torch.ones(1, DIM + 1))
-    return refusals(lambda: model.write(bad),
-                    lambda: dict(kvzch_tables(model))["seq"].write(torch.tensor([ROWS + 5]), torch.ones(1, DIM)))
+    beyond = KeyedJaggedTensor(keys=["f_seq"], values=torch.tensor([5, ROWS + 1]), lengths=torch.tensor([2]),
+                               weights=torch.ones(2, DIM))
+    messages = refusals(lambda: model.write(bad), lambda: model.write(beyond),
+                        lambda: dict(kvzch_tables(model))["seq"].write(torch.tensor([ROWS + 5]), torch.ones(1, DIM)))
+    return messages, len(dict(kvzch_tables(model))["seq"].store)
 
 
 def test_bad_writes_are_refused_by_name(pools):
-    [messages] = pools[1].run(write_refused)
-    assert len(messages) == 2
+    [(messages, rows)] = pools[1].run(write_refused)
+    assert len(messages) == 3 and rows == 0
     assert "KV-ZCH table 'seq': an embedding write needs one row of 16 values per id, got (1, 17)" in messages[0]
-    assert "table 'seq': id 1048581 is outside this shard's ids" in messages[1]
+    assert (f"embedding write of feature 'f_seq' (table 'seq'): id {ROWS + 1} is outside [0, {ROWS}); hash or "
+            "remap ids into the table's num_embeddings") in messages[1]
+    assert "table 'seq': id 1048581 is outside this shard's ids" in messages[2]
 
 
 def test_a_trained_table_trains_its_written_rows():

@@ -86,10 +86,12 @@ class KVZCHFusedOptimizer(FusedOptimizer):
 
     Param groups carry ``lr`` and ``eps``, one group per set of tables declared with the same
     values (as TorchRec gives one fused optimizer per TBE, whose tables share them). Set by
-    hand, by torch's LR schedulers or by TorchRec's warm-up, they reach the tables at their next
-    training forward, so the next fused update uses them."""
+    hand, by torch's LR schedulers or by TorchRec's warm-up, they reach the tables (``tbes``) at
+    the next ``zero_grad()`` or ``step()``, where TorchRec's fused optimizers apply their lr, so
+    that KV-ZCH and ordinary tables of a model change lr at the same update."""
 
-    def __init__(self, params: dict[str, torch.Tensor], tables: dict[str, KVZCHTableParams]) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], tables: dict[str, KVZCHTableParams], tbes) -> None:
+        self._tbes = tbes  # {table: TableTBE}
         self._table_of = {id(p): key.split(".")[-2] for key, p in params.items()}  # "<t>.weight"
         groups: dict[tuple[float, float], list[torch.Tensor]] = {}
         for param in params.values():
@@ -110,10 +112,14 @@ class KVZCHFusedOptimizer(FusedOptimizer):
                 self.state[param] = table_state
 
     def step(self, closure: Any = None) -> None:
-        pass
+        self._apply()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        pass
+        self._apply()
+
+    def _apply(self) -> None:
+        for name, hyper in self.hyper_parameters().items():
+            self._tbes[name].set_hyper_parameters(*hyper)
 
 
 class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
@@ -167,7 +173,7 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
             self._score_sources.append(_score_source(params, table, self._weighted))
         self._optim = KVZCHFusedOptimizer(
             {f"{name}.weight": torch.empty(0) for name in self.tables},
-            {name: tbe.params for name, tbe in self.tables.items()})
+            {name: tbe.params for name, tbe in self.tables.items()}, self.tables)
         if config.enable_embedding_update:  # an embedding cache, written by DMP.write (writes.py)
             for tbe in self.tables.values():
                 tbe.embedding_cache = True
@@ -185,9 +191,7 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
             raise NotImplementedError(
                 "KV-ZCH tables do not support variable batch sizes per feature (VBE) yet")
         outs = []
-        hyper = self._optim.hyper_parameters()
         for name, tbe, kjt, ids, source in self._per_table(features):
-            tbe.set_hyper_parameters(*hyper[name])
             outs.append(tbe(ids, kjt.offsets(), kjt.weights_or_none() if self._weighted else None,
                             _scores(source, kjt)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1 if self._pooled else 0)
@@ -228,16 +232,16 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
     def flush(self) -> None:
         pass
 
-    def get_named_split_embedding_weights_snapshot(self) -> Iterator[tuple]:
+    def get_named_split_embedding_weights_snapshot(self, prefix: str = "") -> Iterator[tuple]:
         """What TorchRec's KV-ZCH kernels return: per table ``(name, weight, weight_id, bucket,
-        metadata)``, ShardedTensors over one snapshot of its rows, exactly the table's state-dict
-        entries (``metadata``: the header words, None with whole rows, which carry them). The
-        weight's local shards are ``PartiallyMaterializedTensor`` s over our ``KVTensor``
-        (``get_weights_by_ids``, ``wrapped.set_weights_and_ids``, ``wrapped.set_range``).
-        A collective on the kernel's process group, like a state dict."""
+        metadata)`` (``name`` after ``prefix.``), ShardedTensors over one snapshot of its rows,
+        exactly the table's state-dict entries (``metadata``: the header words, None with whole
+        rows, which carry them). The weight's local shards are ``PartiallyMaterializedTensor`` s
+        over our ``KVTensor`` (``get_weights_by_ids``, ``wrapped.set_weights_and_ids``,
+        ``wrapped.set_range``). A collective on the kernel's process group, like a state dict."""
         entries, _ = table_entries(self.tables.items(), "", self._pg)
         for name in self.tables:
-            yield (name, entries[f"{name}.weight"], entries[f"{name}.weight_id"],
+            yield (f"{prefix}.{name}" if prefix else name, entries[f"{name}.weight"], entries[f"{name}.weight_id"],
                    entries[f"{name}.bucket"], entries.get(f"{name}.metaheader"))
 
     def purge(self) -> None:

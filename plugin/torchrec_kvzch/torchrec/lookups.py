@@ -2,8 +2,8 @@
 
 A row-wise sharding creates a lookup, and the lookup a kernel per group of tables: ours
 (``KVZCHEmbeddingKernel``) for tables on ``STORE_KERNEL``, TorchRec's own for the others. TorchRec's
-prefetch (``PrefetchTrainPipelineSparseDist``) passes over customized kernels, so the lookups
-hand it to ours themselves.
+prefetch (``PrefetchTrainPipelineSparseDist``) and its KV-ZCH weight snapshots pass over customized
+kernels, so the lookups hand both to ours themselves.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torchrec_kvzch.torchrec.writes import BucketedWriteDist
 STORE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 
 
-class _Prefetch:
+class _WithOurKernels:
     def prefetch(self, sparse_features, forward_stream=None) -> None:
         """TorchRec's prefetch for its kernels, then ours (``KVZCHEmbeddingKernel.prefetch``)."""
         super().prefetch(sparse_features, forward_stream)
@@ -29,15 +29,22 @@ class _Prefetch:
                 if isinstance(kernel, KVZCHEmbeddingKernel):
                     kernel.prefetch(features, forward_stream)
 
+    def get_named_split_embedding_weights_snapshot(self):
+        """TorchRec's KV-ZCH kernels' snapshots, then ours."""
+        yield from super().get_named_split_embedding_weights_snapshot()
+        for kernel in self._emb_modules:
+            if isinstance(kernel, KVZCHEmbeddingKernel):
+                yield from kernel.get_named_split_embedding_weights_snapshot()
 
-class KVZCHPooledLookup(_Prefetch, GroupedPooledEmbeddingsLookup):
+
+class KVZCHPooledLookup(_WithOurKernels, GroupedPooledEmbeddingsLookup):
     def _create_embedding_kernel(self, config, device, pg, sharding_type, env):
         if config.compute_kernel.value == STORE_KERNEL:
             return KVZCHEmbeddingKernel(config, pg, device, sharding_type, pooled=True)
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
 
 
-class KVZCHSequenceLookup(_Prefetch, GroupedEmbeddingsLookup):
+class KVZCHSequenceLookup(_WithOurKernels, GroupedEmbeddingsLookup):
     def _create_embedding_kernel(self, config, pg, device, env=None):
         if config.compute_kernel.value == STORE_KERNEL:
             return KVZCHEmbeddingKernel(config, pg, device, None, pooled=False)

@@ -128,9 +128,10 @@ def load_optimizer_state(entry: ShardedTensor, source) -> None:
     same chunks, which upstream's one shard per rank or another model's row count lack. Lazy
     chunks of another store go by their own ids; lazy chunks of this store were loaded in place
     (DCP); plain tensors hold this shard's rows in id order (same world size), as the state
-    dict of the model's rows just loaded. A read-only entry (whole rows) writes nothing."""
+    dict of the model's rows just loaded. Read-only entries (whole rows, which carry the state)
+    take it too when it comes from elsewhere (e.g. TorchRec's own table of the same config)."""
     views = [s.tensor.wrapped for s in entry.local_shards()]
-    if not views or views[0].read_only:
+    if not views:
         return
     view, name = views[0], views[0].store.params.name
     chunks = _local_chunks(source) if isinstance(source, ShardedTensor) else [(0, source)]
@@ -138,7 +139,7 @@ def load_optimizer_state(entry: ShardedTensor, source) -> None:
     if lazy and len(lazy) == len(chunks):
         for chunk in lazy:
             if chunk.wrapped.store is not view.store:
-                view.set_weights_and_ids(chunk.full_tensor(), chunk.wrapped.ids)
+                view.load(chunk.full_tensor(), chunk.wrapped.ids)
         return
     ids = view.snapshot.ids
     total = sum(c.shape[0] for _, c in chunks)
@@ -150,7 +151,7 @@ def load_optimizer_state(entry: ShardedTensor, source) -> None:
     for _, chunk in chunks:
         values = _read(chunk)
         n = values.shape[0]
-        view.set_weights_and_ids(values.reshape(n, -1), ids[at : at + n])
+        view.load(values.reshape(n, -1), ids[at : at + n])
         at += n
 
 

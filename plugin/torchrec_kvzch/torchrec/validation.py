@@ -26,6 +26,7 @@ class BatchChecker:
         self.table_of = {f: c.name for c in configs for f in c.feature_names}
         self.rows_of = {f: c.num_embeddings for c in configs for f in c.feature_names}
         self.keys: list[str] | None = None  # the first batch's key order, which TorchRec routes by
+        self.places: dict[str, int] = {}  # where this module's features sit in it
 
     def tables(self, features) -> list[str]:
         return sorted({self.table_of[f] for f in features if f in self.table_of})
@@ -34,9 +35,9 @@ class BatchChecker:
         """Whether every id is inside its table: one min/max pass over the ids (per run of features
         with the same table size); the offender is found only when one exists."""
         lo = 0
-        for limit, run in itertools.groupby(zip(keys, per_key), key=lambda kn: self.rows_of[kn[0]]):
+        for limit, run in itertools.groupby(zip(keys, per_key), key=lambda kn: self.rows_of.get(kn[0])):
             hi = lo + sum(n for _, n in run)
-            if hi > lo:
+            if hi > lo and limit is not None:  # (None: a feature of another module, not ours to check)
                 low, high = torch.aminmax(values[lo:hi])
                 if int(low) < 0 or int(high) >= limit:
                     return False
@@ -58,19 +59,17 @@ class BatchChecker:
 
     def __call__(self, kjt: KeyedJaggedTensor) -> None:
         keys = kjt.keys()
-        if self.keys is not None and keys != self.keys:
-            if sorted(keys) == sorted(self.keys):
-                raise ValueError(f"the batch's features come in the order {keys}, the first batch's in "
-                                 f"{self.keys}; TorchRec routes features by the first batch's order, so "
-                                 "keep one order for every batch")
-        unknown = [k for k in keys if k not in self.table_of]
-        if unknown:
-            raise ValueError(f"features {unknown} are not read by any table of this module (its tables "
-                             f"read {sorted(self.table_of)}); drop them from the batch or add their tables")
+        places = {k: i for i, k in enumerate(keys) if k in self.table_of}
+        if self.keys is not None and places != self.places and places.keys() == self.places.keys():
+            raise ValueError(f"the batch's features come in the order {keys}, the first batch's in "
+                             f"{self.keys}; TorchRec routes features by the first batch's order (where each "
+                             "sits in it), so keep one order for every batch")
         missing = sorted(set(self.table_of) - set(keys))
-        if missing:
+        if missing:  # (features no table reads pass, as in TorchRec: a batch may feed several modules)
+            others = [k for k in keys if k not in self.table_of]
             raise ValueError(f"features {missing} (tables {self.tables(missing)}) are missing from the "
-                             "batch; pass them, with zero lengths if they have no ids")
+                             "batch; pass them, with zero lengths if they have no ids"
+                             + (f" (the batch's features {others} are read by no table here)" if others else ""))
         values = kjt.values()
         if values.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"the ids of features {keys} (tables {self.tables(keys)}) are "
@@ -92,11 +91,13 @@ class BatchChecker:
             self._check_scores(keys, weights, kjt.length_per_key())
         if values.numel() and not self._in_range(keys, values, kjt.length_per_key()):
             per_key = torch.tensor(kjt.length_per_key(), device=values.device)
-            limits = torch.tensor([self.rows_of[k] for k in keys], device=values.device)
-            bad = (values < 0) | (values.long() >= limits.repeat_interleave(per_key, output_size=values.numel()))
+            limits = torch.tensor([self.rows_of.get(k, -1) for k in keys], device=values.device)  # (-1: not ours)
+            limit = limits.repeat_interleave(per_key, output_size=values.numel())
+            bad = (limit >= 0) & ((values < 0) | (values.long() >= limit))
             first = int(torch.nonzero(bad)[0])
             key = keys[int(torch.searchsorted(per_key.cumsum(0), first, right=True))]
             raise ValueError(f"feature '{key}' (table '{self.table_of[key]}') has id "
                              f"{int(values[first])}, outside [0, {self.rows_of[key]}); hash or remap "
                              "ids into the table's num_embeddings")
-        self.keys = self.keys or keys
+        if self.keys is None:
+            self.keys, self.places = keys, places

@@ -32,6 +32,7 @@ class BucketedWriteDist(nn.Module):
         self._world = dist.get_world_size(self._pg)
         self._keys: list[str] = []
         starts, owners = [], []  # per feature: its table's shard starts (ascending) and their ranks
+        self._tables: list[tuple[str, int]] = []  # per feature: its table's name and num_embeddings
         for group in sharding._grouped_embedding_configs:
             if not group.enable_embedding_update:
                 continue
@@ -39,6 +40,7 @@ class BucketedWriteDist(nn.Module):
                 shards = sorted((s.shard_offsets[0], s.placement.rank()) for s in table.global_metadata.shards_metadata)
                 for feature in table.feature_names:
                     self._keys.append(feature)
+                    self._tables.append((table.name, table.num_embeddings))
                     starts.append(torch.tensor([s for s, _ in shards]))
                     owners.append(torch.tensor([r for _, r in shards]))
         self._starts, self._owners = starts, owners
@@ -53,9 +55,11 @@ class BucketedWriteDist(nn.Module):
             values = part.values().long()
             starts = self._starts[f].to(device)
             shard = torch.searchsorted(starts, values, right=True) - 1
-            if values.numel() and (bool((shard < 0).any())):
-                raise ValueError(f"embedding write of feature '{self._keys[f]}': id {int(values.min())} is "
-                                 "below the table's rows")
+            (table, limit), low, high = self._tables[f], *(torch.aminmax(values) if values.numel() else (0, 0))
+            if int(low) < 0 or int(high) >= limit:  # (before anything is sent: no table is written in part)
+                raise ValueError(f"embedding write of feature '{self._keys[f]}' (table '{table}'): id "
+                                 f"{int(low) if int(low) < 0 else int(high)} is outside [0, {limit}); hash or "
+                                 "remap ids into the table's num_embeddings")
             local.append(values - starts[shard])
             dest.append(self._owners[f].to(device)[shard])
             feature.append(torch.full_like(values, f))

@@ -116,11 +116,11 @@ class KVZCHLoadPlanner(SavedTables, UpstreamTables, DefaultLoadPlanner):
             if not self._tables_only:
                 self._plan_admission(table)
         for fqn, view in views.items():
-            if view.part is RowPart.OPTIMIZER and view.store not in by_store:
-                raise ValueError(f"the state dict to load has optimizer state for KV-ZCH table "
-                                 f"'{view.store.params.name}' ('{fqn}') but not its rows: include the "
-                                 "model's state_dict() (taken before the optimizer's)")
             if view.part is RowPart.OPTIMIZER:
+                if view.store not in by_store:
+                    raise ValueError(f"the state dict to load has optimizer state for KV-ZCH table "
+                                     f"'{view.store.params.name}' ('{fqn}') but not its rows: include the "
+                                     "model's state_dict() (taken before the optimizer's)")
                 self._plan_entry(by_store[view.store], fqn, RowPart.OPTIMIZER, view.columns)
         for table in by_store.values():
             if table.split and table.optimizer and RowPart.OPTIMIZER not in table.parts.values():

@@ -4,7 +4,8 @@ A stager that copies every tensor of the state dict before training may go on wo
 every row of a KV-ZCH table (and DCP's default stager of torch 2.13 fails on any
 ShardedTensor). ``KVZCHAsyncStager`` copies only the ordinary entries and freezes the tables'
 snapshots instead (copy on write, ``table/snapshot.py``): the call returns right after, and
-only rows changed while the checkpoint is written get copied, each once. ``KVZCHSavePlanner`` releases a table's snapshot as soon as its last chunk is written::
+only rows changed while the checkpoint is written get copied, each once.
+``KVZCHSavePlanner`` releases a table's snapshot as soon as its last chunk is written::
 
     stager = KVZCHAsyncStager()
     future = dcp.async_save(state, checkpoint_id=path, planner=KVZCHSavePlanner(),

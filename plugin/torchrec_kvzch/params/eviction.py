@@ -21,6 +21,11 @@ class EvictionKind(str, enum.Enum):
     L2 = "l2"  # drop rows whose weights' L2 norm is below l2_threshold
     FEATURE_SCORE = "feature_score"  # keep about keep_rows rows: those with the highest feature scores
 
+    @property
+    def has_pass(self) -> bool:
+        """Whether the kind has a rule a pass runs (``lru`` only orders rows under a budget)."""
+        return self not in (EvictionKind.NONE, EvictionKind.LRU)
+
 
 class EvictionTrigger(str, enum.Enum):
     """When a ``ttl`` / ``lfu`` / ``l2`` pass runs (fbgemm's trigger modes, by name)."""
@@ -138,7 +143,7 @@ class EvictionPolicy:
         for trig, name in need.items():
             if (trigger is trig) != (getattr(self, name) is not None):
                 fail(f"eviction.{name} goes with eviction.trigger '{trig.value}' (and it needs it)")
-        if trigger is not EvictionTrigger.INTERVAL and kind in (EvictionKind.NONE, EvictionKind.LRU):
+        if trigger is not EvictionTrigger.INTERVAL and not kind.has_pass:
             fail(f"eviction.trigger '{trigger.value}' starts a pass of a ttl, lfu, l2 or feature_score policy; "
                  f"kind '{kind.value}' has none")
         if not (_finite(self.count_decay) and 0.0 < self.count_decay <= 1.0):
@@ -149,11 +154,10 @@ class EvictionPolicy:
 
     def _unused(self, kind: EvictionKind, trigger: EvictionTrigger, fail) -> None:
         """Refuse the fields set away from their defaults that the kind and trigger never read."""
-        passes = kind in (EvictionKind.TTL, EvictionKind.LFU, EvictionKind.L2, EvictionKind.FEATURE_SCORE)
         if self.count_decay != 1.0 and kind not in (EvictionKind.LFU, EvictionKind.FEATURE_SCORE):
             fail(f"eviction.count_decay has no effect with eviction.kind '{kind.value}' (it decays lfu counts "
                  "and feature scores); drop it")
-        if self.interval_steps != 1 and not (passes and trigger in (EvictionTrigger.INTERVAL,
+        if self.interval_steps != 1 and not (kind.has_pass and trigger in (EvictionTrigger.INTERVAL,
                                                                      EvictionTrigger.FREE_MEMORY)):
             fail(f"eviction.interval_steps has no effect with eviction.kind '{kind.value}' and trigger "
                  f"'{trigger.value}' (it spaces the passes of the interval and free_memory triggers); drop it")

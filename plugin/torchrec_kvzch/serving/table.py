@@ -142,10 +142,11 @@ class ServedTable:
             fail(f"default_starts {starts.tolist()} must ascend from the first id served, {lo}")
         if initial is not None and (starts.numel() != 1 or bool(default_rows.any())):
             fail("initial weights for ids without a row leave no room for default rows; give one or the other")
-        if initial is not None and (len(initial) not in (3, 4) or (initial[3:] or ("fp32",))[0] not in ("fp32", "fp16")):
-            fail(f"initial {initial!r} is not (low, high, seed) or (low, high, seed, weight_dtype 'fp32' or 'fp16')")
-        self.initial = None if initial is None else (float(initial[0]), float(initial[1]), int(initial[2]),
-                                                     (initial[3:] or ("fp32",))[0])
+        if initial is not None:
+            if len(initial) not in (3, 4) or tuple(initial[3:]) not in ((), ("fp32",), ("fp16",)):
+                fail(f"initial {initial!r} is not (low, high, seed) or (low, high, seed, weight_dtype 'fp32' or 'fp16')")
+            initial = (float(initial[0]), float(initial[1]), int(initial[2]), (*initial[3:], "fp32")[0])
+        self.initial = initial
         self.default_starts = starts.to(device).contiguous()
         self.defaults = starts.numel()  # the rows before the first id's
         self._native = native_status() and device.type == "cpu"  # (the native ops run on CPU)

@@ -235,7 +235,7 @@ class Evictor:
         if self.store.pending_update is not None:
             raise RuntimeError(f"KV-ZCH table '{self.store.params.name}': an eviction pass cannot run "
                                "between a forward and its backward; run it after the step")
-        if self.kind not in _PASS_KINDS:
+        if not self.kind.has_pass:
             return 0
         self._note_time()
         return self.remove(self._expired())
@@ -247,7 +247,7 @@ class Evictor:
         protected = batch_rows(store, present)
         doomed = torch.zeros_like(protected)
         self._note_time()
-        if self.kind in _PASS_KINDS and self._pass_due():
+        if self.kind.has_pass and self._pass_due():
             doomed |= self._expired() & ~protected
         if self.max_rows is not None:
             new = new_rows(ids, present)
@@ -346,7 +346,6 @@ class Evictor:
         return fresh[0] if fresh else self.store.clock + 1
 
 
-_PASS_KINDS = (EvictionKind.TTL, EvictionKind.LFU, EvictionKind.L2, EvictionKind.FEATURE_SCORE)
 _ZERO_SCORE = 1e-9  # (fbgemm's: a score below it is none)
 
 
@@ -362,10 +361,11 @@ def lowest_scores(scores: torch.Tensor, keep: int, width: float, buckets: int,
     excess = scores.numel() - keep
     if excess <= 0:
         return torch.zeros(decayed.shape, dtype=torch.bool, device=decayed.device)
-    if int((scores.abs() < _ZERO_SCORE).sum()) >= excess:
+    zero = scores.abs() < _ZERO_SCORE
+    if int(zero.sum()) >= excess:
         return decayed.abs() < _ZERO_SCORE
     wide = scores.double()
-    bucket = torch.where(wide.abs() < _ZERO_SCORE, 0, ((wide / width).long() + 1).clamp(max=buckets - 1))
+    bucket = torch.where(zero, 0, ((wide / width).long() + 1).clamp(max=buckets - 1))
     bucket[wide >= buckets * width] = buckets - 1  # (also where the quotient overflowed int64)
     held = torch.bincount(bucket, minlength=buckets).cumsum(0)
     cut = max(1, int(torch.searchsorted(held, excess)))

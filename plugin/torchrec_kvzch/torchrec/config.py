@@ -304,12 +304,11 @@ class _Parser:
         for key, allowed in (("sharding_types", _SHARDING_TYPES), ("compute_kernels", _COMPUTE_KERNELS)):
             for i, value in enumerate(self.listed(c, key, where)):
                 self.choice(value, f"{where}.{key}[{i}]", allowed)
-        for key in ("pooling_factors", "num_poolings", "batch_sizes"):  # (TorchRec's: one per feature)
-            for i, value in enumerate(self.listed(c, key, where)):
-                if isinstance(value, bool) or not isinstance(value, (int, float) if key != "batch_sizes" else int) \
-                        or not value > 0:
-                    self.fail(f"{where}.{key}[{i}]", f"expected a positive {'integer' if key == 'batch_sizes' else 'number'}, "
-                              f"got {value!r}")
+        for key, kind in (("pooling_factors", "number"), ("num_poolings", "number"), ("batch_sizes", "integer")):
+            for i, value in enumerate(self.listed(c, key, where)):  # (TorchRec's: one per feature)
+                types = int if kind == "integer" else (int, float)
+                if isinstance(value, bool) or not isinstance(value, types) or value <= 0:
+                    self.fail(f"{where}.{key}[{i}]", f"expected a positive {kind}, got {value!r}")
         if "min_partition" in c:
             c["min_partition"] = self.positive(c["min_partition"], f"{where}.min_partition")
         if not isinstance(c.get("enforce_hbm", False), bool):

@@ -49,7 +49,7 @@ class BatchChecker:
         table of the batch looks its ids up."""
         lo = 0
         for key, n in zip(keys, per_key):
-            bad = ~(weights[lo:lo + n] >= 0) if key in self.scored and n else None
+            bad = ~(weights[lo:lo + n] >= 0) if key in self.scored else None  # (NaN too)
             if bad is not None and bool(bad.any()):
                 at = int(torch.nonzero(bad)[0])
                 raise ValueError(f"feature '{key}' (table '{self.table_of[key]}') has feature score "

@@ -304,6 +304,13 @@ def save_stale_states(rank, world_size, root):
     model = build(world_size, 7, whole_row=False)
     step = lambda seed: model(batch(seed + rank)).wait().values().sum().backward()
     step(0)
+    errors = {}
+    try:  # before the model's first state dict: the optimizer's holds the empty tables' views
+        dcp.save({"optim": model.fused_optimizer.state_dict(), "model": model.state_dict()},
+                 checkpoint_id=f"{root}/optim_before_any", planner=KVZCHSavePlanner())
+        errors["optimizer's before any"] = None
+    except BaseException as e:
+        errors["optimizer's before any"] = (str(e), os.path.exists(f"{root}/optim_before_any/.metadata"))
     state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
     dcp.save(state, checkpoint_id=f"{root}/first", planner=KVZCHSavePlanner())
     step(50)  # rows created and trained after the state dict was taken
@@ -314,7 +321,6 @@ def save_stale_states(rank, world_size, root):
                  process_group=dist.new_group(backend="gloo")).result(),
              "optimizer's first": lambda path: dcp.save({"optim": optim_first, "model": model.state_dict()},
                                                         checkpoint_id=path, planner=KVZCHSavePlanner())}
-    errors = {}
     for name, save in cases.items():
         path = f"{root}/{name.replace(' ', '_')}"
         try:
@@ -327,16 +333,18 @@ def save_stale_states(rank, world_size, root):
 
 def test_a_stale_state_dict_is_refused_at_save(pools, tmp_path):
     """A state dict saved again after training, or an optimizer state dict taken before the
-    model's, would write rows of one moment beside ids and history of another: refused at
+    model's (its first included), would write rows of one moment beside ids and history of another: refused at
     save, naming the table and the fix, with no checkpoint written."""
     for errors in pools[1].run(save_stale_states, str(tmp_path)):
         for name in ("reused", "reused, async"):
             assert errors[name] is not None, name
             error, written = errors[name]
             assert "KV-ZCH table '" in error and "take a fresh state_dict()" in error and not written, name
-        error, written = errors["optimizer's first"]
-        assert "from 2 state_dict() calls" in error and "entries of KV-ZCH table '" in error and not written
-        assert "take the model's state_dict() and then the optimizer's" in error
+        for name in ("optimizer's first", "optimizer's before any"):
+            assert errors[name] is not None, name
+            error, written = errors[name]
+            assert "from 2 state_dict() calls" in error and "entries of KV-ZCH table '" in error and not written
+            assert "take the model's state_dict() and then the optimizer's" in error
 
 
 def test_verify_without_the_folder_is_refused():

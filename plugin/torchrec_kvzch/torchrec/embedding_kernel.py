@@ -82,7 +82,8 @@ def shard_bucket_range(params: KVZCHTableParams, table: ShardedEmbeddingTable,
 class KVZCHFusedOptimizer(FusedOptimizer):
     """The optimizer step runs inside backward (fbgemm's fused update); step() has nothing to do.
     Optimizer state lives in the row store; ``state`` holds views of it, refreshed by
-    ``set_state`` whenever the model's state dict is taken (row counts change over time).
+    ``set_state`` whenever the model's state dict is taken (row counts change over time), and
+    of the empty tables before that.
 
     Param groups carry ``lr`` and ``eps``, one group per set of tables declared with the same
     values (as TorchRec gives one fused optimizer per TBE, whose tables share them). Set by
@@ -174,6 +175,10 @@ class KVZCHEmbeddingKernel(BaseEmbedding, FusedOptimizerModule):
         self._optim = KVZCHFusedOptimizer(
             {f"{name}.weight": torch.empty(0) for name in self.tables},
             {name: tbe.params for name, tbe in self.tables.items()}, self.tables)
+        # Views of the empty tables until the model's first state dict: an optimizer state dict
+        # taken before it then holds entries a save refuses as another moment's, instead of
+        # none, which would save as a model checkpointed without its optimizer.
+        self._optim.set_state(table_entries(self.tables.items(), "", pg, empty=True)[1])
         if config.enable_embedding_update:  # an embedding cache, written by DMP.write (writes.py)
             for tbe in self.tables.values():
                 tbe.embedding_cache = True

@@ -85,16 +85,21 @@ def kv_view(entry) -> KVTensor | None:
     return None
 
 
-def table_entries(tables: Iterator[tuple[str, TableTBE]], prefix: str,
-                  pg: dist.ProcessGroup | None) -> tuple[dict[str, ShardedTensor], dict[str, dict]]:
+def table_entries(tables: Iterator[tuple[str, TableTBE]], prefix: str, pg: dist.ProcessGroup | None,
+                  empty: bool = False) -> tuple[dict[str, ShardedTensor], dict[str, dict]]:
     """Model entries ``{prefix}{table}.weight / .weight_id / .bucket`` for every KV-ZCH table
     shard here, and each table's optimizer state entries, from one snapshot of its ids.
+    ``empty``: every rank's tables are known to hold no rows (just built), so no collective.
 
     Optimizer state is exposed as TorchRec names it, ``{table}.momentum1`` (row-wise
     Adagrad's accumulator, Adam's first moment) and ``{table}.momentum2`` (Adam's second):
     read-only when whole rows already carry it, else writable."""
     snapshots = [TableSnapshot.take(name, tbe) for name, tbe in tables]
-    rows = row_counts_by_rank({s.name: len(s.rows) for s in snapshots}, pg)
+    if empty:
+        world = dist.get_world_size(pg) if dist.is_initialized() else 1
+        rows = {s.name: [0] * world for s in snapshots}
+    else:
+        rows = row_counts_by_rank({s.name: len(s.rows) for s in snapshots}, pg)
     out, optimizer = {}, {}
     for snap in snapshots:
         params = snap.store.params

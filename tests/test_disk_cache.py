@@ -140,6 +140,31 @@ def test_refused_batches_and_writes_change_nothing_over_a_disk_tier(tmp_path):
     assert state() == before
 
 
+def test_a_tier_file_changed_under_the_table_is_refused_on_every_read(tmp_path):
+    """Every row on disk begins with its id: a file another writer changed (or a damaged disk)
+    is refused by the reads that would have returned its rows, naming the table and the file,
+    instead of handing back another id's row."""
+    disk, _ = tables(tmp_path, 200)
+    tbe = TableTBE(disk, disk.bucket_range(0, 1), num_features=2, pooling=PoolingMode.SUM)
+    gen = torch.Generator().manual_seed(3)
+    universe = torch.randint(0, 2**40, (600,), generator=gen).unique()
+    for _ in range(4):
+        step([tbe], gen, universe)
+    tier = tbe.store.cache.tier
+    on_disk = tier.keys()
+    assert on_disk.numel() > 0
+    with open(tier.path, "r+b") as f:  # another writer: the file's rows shifted by one row
+        data = f.read()
+        f.seek(0)
+        f.write(data[tier.row_bytes:] + data[:tier.row_bytes])
+    reads = {"evaluation": lambda: tbe.eval()(on_disk[:5], torch.tensor([0, 5])),
+             "snapshot": lambda: RowSnapshot(tbe.store).read(0, len(RowSnapshot(tbe.store)), RowPart.WEIGHT),
+             "training": lambda: tbe.train()(on_disk[:5], torch.tensor([0, 5]))}
+    for name, read in reads.items():
+        with pytest.raises(RuntimeError, match=f"table 't': the disk tier's file {tier.path} holds id"):
+            read()
+
+
 def test_a_snapshot_reads_both_tiers_as_one_table_plain_frozen_and_changed(tmp_path):
     """Every row in id order whichever tier holds it; frozen, as at the freeze while training
     moves rows between the tiers; the rows changed since a mark, told by the headers the tier

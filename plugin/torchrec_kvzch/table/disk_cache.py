@@ -111,7 +111,7 @@ class DiskCache:
             make_room = lambda: self._move_out(next(leaving, None))  # noqa: E731
             if into.numel():
                 _, rows = self.tier.take(into, during=make_room)
-                store.write_rows(self._part(rows, RowPart.ROW), moved=True)
+                store.write_rows(self._part(self._checked(rows, into), RowPart.ROW), moved=True)
                 self.moved_in += into.numel()
             else:
                 make_room()
@@ -163,7 +163,7 @@ class DiskCache:
     def read(self, ids: torch.Tensor, part: RowPart) -> tuple[torch.Tensor, torch.Tensor]:
         """(which ``ids`` have a row on disk, their ``part``), moving nothing."""
         found, rows = self.tier.read(ids)
-        return found, self._part(rows, part)
+        return found, self._part(self._checked(rows, as_ids(ids, torch.device("cpu"), check=False)[found]), part)
 
     def read_mixed(self, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, part: RowPart,
                    out: torch.Tensor | None = None, arrays=None, meta: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,7 +175,7 @@ class DiskCache:
         if bool(disk.any()):
             at = torch.nonzero(disk).view(-1)
             words = self.stamps(keys[at]) if meta is None else meta[at]
-            rows[at] = self._part(self.tier.read_at(positions[at], words), part).to(rows.dtype)
+            rows[at] = self._part(self._checked(self.tier.read_at(positions[at], words), keys[at]), part).to(rows.dtype)
         return rows
 
     def snapshot(self, dram_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -191,6 +191,21 @@ class DiskCache:
     def stamps(self, ids: torch.Tensor) -> torch.Tensor:
         """The header words of ``ids`` (rows on disk) now."""
         return self.tier.meta[self.tier.index.find(ids)]
+
+    def _checked(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``rows`` (bytes read from the tier) if each begins with its id, as every row written
+        does; else the file changed under the table (another writer, a damaged disk), and no
+        row of it can be trusted."""
+        held = rows[:, :8].contiguous().view(torch.int64).view(-1)
+        wrong = torch.nonzero(held != ids.to(held.device).view(-1)).view(-1)
+        if wrong.numel():
+            i = int(wrong[0])
+            raise RuntimeError(f"KV-ZCH table '{self.store.params.name}': the disk tier's file {self.tier.path} "
+                               f"holds id {int(held[i])} where the row of id {int(ids.view(-1)[i])} was written "
+                               f"({wrong.numel()} of {ids.numel()} rows read), so it was changed outside this "
+                               "table; no process but this one may write the tier's folder: resume the job "
+                               "from its last checkpoint")
+        return rows
 
     def _part(self, rows: torch.Tensor, part: RowPart) -> torch.Tensor:
         rows = rows.view(self.layout.dtype).view(rows.shape[0], self.layout.row_width)

@@ -93,7 +93,7 @@ def main() -> None:
             seconds, plan = time_plan(lambda: EmbeddingShardingPlanner(topology, batch_size=batch),
                                       module, get_default_sharders(), args.reps)
         else:
-            seconds, plan = time_plan(lambda: KVZCHShardingPlanner(topology, batch, constraints),
+            seconds, plan = time_plan(lambda: KVZCHShardingPlanner(topology, batch, constraints=constraints),
                                       module, kvzch_sharders(), args.reps)
         kernels = sorted({ps.compute_kernel for m in plan.plan.values() for ps in m.values()})
         results[case] = {"seconds": seconds, "kernels": kernels}

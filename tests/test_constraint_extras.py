@@ -72,6 +72,28 @@ def test_a_tables_stochastic_rounding_constraint_beats_the_sharders():
     assert not kept.kvzch.stochastic_rounding
 
 
+def test_a_tables_own_kernel_settings_are_checked_like_the_sharders():
+    """TorchRec hands a table's own output_dtype / stochastic_rounding to its kernel as fused
+    params: one our kernel cannot honour is refused, not dropped, and a constraint may not
+    contradict the table's KVZCHTableParams."""
+    with pytest.raises(ValueError, match="KV-ZCH table 'user': fused param output_dtype='FP16' is not supported"):
+        planned(ParameterConstraints(output_dtype=DataType.FP16))
+    sharding = ParameterSharding(sharding_type="row_wise", compute_kernel="dram_virtual_table", ranks=[0],
+                                 output_dtype=DataType.FP16)
+    with pytest.raises(ValueError, match="KV-ZCH table 'user': fused param output_dtype='FP16'"):
+        store_plan([config()], {"user": sharding}, FUSED)
+    assert planned(ParameterConstraints(output_dtype=DataType.FP32)).name == "user"
+    own = KVZCHTableParams("user", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS, weight_dtype="fp16",
+                           stochastic_rounding=True)
+    with pytest.raises(ValueError, match="KV-ZCH table 'user': its constraints .*set stochastic_rounding=False, "
+                                         "its KVZCHTableParams True; fix: declare it once"):
+        planned(KVZCHConstraints(kvzch=own, stochastic_rounding=False), data_type=DataType.FP16)
+    assert planned(KVZCHConstraints(kvzch=own, stochastic_rounding=True), data_type=DataType.FP16).stochastic_rounding
+    unset = KVZCHTableParams("user", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS, weight_dtype="fp16")
+    assert not planned(KVZCHConstraints(kvzch=unset, stochastic_rounding=False),
+                       data_type=DataType.FP16).stochastic_rounding  # (the table left it to its declaration)
+
+
 def train_with_extras(rank, world):
     from _dist import sharded
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor

@@ -94,6 +94,24 @@ def test_storage_counts_the_dram_of_expected_rows():
         assert raw <= want <= 2.5 * raw
 
 
+def test_storage_counts_a_shards_eviction_budget_which_its_store_reserves():
+    """A budget is the most a shard holds, reserved up front by its store: charged in place of
+    the expected rows, above them or below; a table budget by each shard's share."""
+    from torchrec_kvzch import EvictionPolicy
+    for eviction, per_rank in ((EvictionPolicy(kind="lru", max_rows=400_000), [400_000] * 3),
+                               (EvictionPolicy(kind="lru", max_rows=500), [500] * 3),
+                               (EvictionPolicy(kind="lru", table_max_rows=3_000), [1_000] * 3)):
+        kv = tables(expected_rows=12_000, eviction=eviction)
+        planner = KVZCHShardingPlanner(Topology(world_size=3, compute_device="cpu", local_world_size=3),
+                                       batch_size=512, constraints=opt_in(kv))
+        planner.plan(model(kv), kvzch_sharders())
+        [option] = [o for o in planner._enumerator.last_stored_search_space
+                    if o.name == "user" and o.compute_kernel == KVZCH_KERNEL]
+        layout = RowLayout.for_table(kv[0])
+        assert [s.storage.ddr for s in option.shards] == [RowStore.estimated_bytes(layout, n, reserved=True)
+                                                          for n in per_rank]
+
+
 def test_storage_counts_a_disk_tiers_cache_and_index_in_dram_and_its_rows_on_disk(tmp_path):
     """A table over a disk tier: its shards' cache (with the tier's index) is host memory, the
     rows past the cache are disk (where TorchRec's Storage has a field for it)."""
@@ -123,6 +141,26 @@ def test_plan_that_cannot_fit_is_rejected_by_the_planner():
     kv = tables(expected_rows=3_000_000_000)  # ~3B rows x ~100 bytes per rank >> 64 GiB
     with pytest.raises(PlannerError):
         plan_for(kv, ddr_cap=64 * 2**30)
+
+
+def test_the_planner_takes_torchrecs_arguments_in_torchrecs_order(pools):
+    """A drop-in for EmbeddingShardingPlanner: its positional order, no topology (TorchRec's
+    default, from the process group), and an enumerator refused rather than left without the
+    estimators that price KV-ZCH tables."""
+    kv = tables()
+    topology = Topology(world_size=3, compute_device="cpu", local_world_size=3)
+    plan = KVZCHShardingPlanner(topology, 512, None, None, None, None, None, None, opt_in(kv)).plan(
+        model(kv), kvzch_sharders())
+    assert plan.plan[""]["user"].compute_kernel == KVZCH_KERNEL
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+    with pytest.raises(ValueError, match="builds its own enumerator .*fix: leave enumerator out"):
+        KVZCHShardingPlanner(topology, 512, EmbeddingEnumerator(topology, 512))
+    assert pools[2].run(_default_topology) == [(2, "cpu")] * 2
+
+
+def _default_topology(rank, world):
+    planner = KVZCHShardingPlanner(constraints=opt_in(tables()))
+    return planner._topology.world_size, planner._topology.compute_device
 
 
 def test_printed_plan_shows_our_kernel(caplog):

@@ -67,7 +67,7 @@ def plan_model(config: ShardingConfig, model: DLRMTrain, device_type: str, world
     topology = TopologyFactory.create_topology(TrainerConfig(world_size=world_size, local_world_size=local_world_size),
                                                kernel_config=KernelConfig(compute_device=device_type))
     memory = PlannedMemory()
-    planner = KVZCHShardingPlanner(topology, batch_per_rank, config.constraints(), stats=[memory])
+    planner = KVZCHShardingPlanner(topology, batch_per_rank, constraints=config.constraints(), stats=[memory])
     sharders = config.sharders()
     plan = planner.collective_plan(model, sharders, group) if group is not None else planner.plan(model, sharders)
     return plan, memory

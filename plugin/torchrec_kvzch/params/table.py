@@ -15,6 +15,7 @@ from torchrec_kvzch.params.optimizer import OPTIMIZER_DEFAULTS, OptimizerKind, W
 from torchrec_kvzch.params.storage import DeviceCache, DiskStorage
 
 _WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+MAX_NUM_EMBEDDINGS = 2**63 - 1  # ids are int64 in TorchRec and fbgemm
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,9 @@ class KVZCHTableParams:
             if not positive_int(getattr(self, name)):
                 fail(name, f"must be a positive integer, got {getattr(self, name)!r}",
                      "pass a value >= 1")
+        if self.num_embeddings > MAX_NUM_EMBEDDINGS:
+            fail("num_embeddings", f"{self.num_embeddings} ids do not fit int64 (TorchRec's and fbgemm's id type)",
+                 "choose at most 2^62 (a multiple of total_num_buckets)")
         if self.num_embeddings % self.total_num_buckets:
             fail("num_embeddings",
                  f"{self.num_embeddings} is not a multiple of total_num_buckets={self.total_num_buckets}",

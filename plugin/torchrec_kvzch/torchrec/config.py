@@ -29,6 +29,7 @@ defaults: nothing here repeats them.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import types
 import typing
@@ -42,6 +43,7 @@ from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
+from torchrec_kvzch.params.table import MAX_NUM_EMBEDDINGS
 from torchrec_kvzch.params import (
     OPTIMIZER_DEFAULTS,
     AdmissionPolicy,
@@ -52,6 +54,7 @@ from torchrec_kvzch.params import (
     OptimizerKind,
     RankBudget,
 )
+from torchrec_kvzch.torchrec.declarations import VIRTUAL_KERNELS
 from torchrec_kvzch.torchrec.planner import KVZCHConstraints, KVZCHShardingPlanner
 from torchrec_kvzch.torchrec.modules import kvzch_sharders
 from torchrec_kvzch.torchrec.tables import kvzch_embedding_bag_config, kvzch_embedding_config
@@ -60,6 +63,7 @@ __all__ = ["ConfigError", "ShardingConfig", "TableSpec", "load_config"]
 
 _POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 _OPTIMIZER_KEYS = {"type", "learning_rate", "eps"}
+_FLOAT = r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*"  # what YAML 1.1 leaves a string: 1e-3
 _TABLE_KEYS = {"name", "embedding_dim", "features", "pooling", "num_embeddings", "kvzch", "planner"}
 _KVZCH_KEYS = {f.name for f in fields(KVZCHTableParams)} - {"name", "embedding_dim", "defaulted"}
 _RANK_BUDGET_KEYS = {f.name for f in fields(RankBudget)}
@@ -130,7 +134,7 @@ class ShardingConfig:
                                "learning_rate": self.learning_rate, "eps": self.eps}, self.rank_budget)
 
     def planner(self, topology: Topology, batch_size: int) -> KVZCHShardingPlanner:
-        return KVZCHShardingPlanner(topology, batch_size, self.constraints())
+        return KVZCHShardingPlanner(topology, batch_size, constraints=self.constraints())
 
 
 def load_config(path: str | Path) -> ShardingConfig:
@@ -178,6 +182,14 @@ class _Parser:
             self.fail(where, f"expected a positive integer, got {number}")
         return number
 
+    def rate(self, value: Any, where: str) -> float:
+        """A learning rate or epsilon: a positive finite number (the ordinary tables take it as
+        it is, the KV-ZCH ones as their default). YAML reads ``1e-3`` as a string: taken too."""
+        number = float(value) if isinstance(value, str) and re.fullmatch(_FLOAT, value) else value
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
+            self.fail(where, f"expected a positive number, got {value!r}")
+        return float(number)
+
     def choice(self, value: Any, where: str, allowed) -> Any:
         if value not in allowed:
             close = difflib.get_close_matches(str(value), list(map(str, allowed)), n=1)
@@ -190,8 +202,8 @@ class _Parser:
                            {"tables"})
         opt = self.mapping(top.get("optimizer", {}), "optimizer", _OPTIMIZER_KEYS)
         kind = self.optimizer_kind(opt.get("type", OPTIMIZER_DEFAULTS["optimizer"]), "optimizer.type")
-        lr = opt.get("learning_rate", OPTIMIZER_DEFAULTS["learning_rate"])
-        eps = opt.get("eps", OPTIMIZER_DEFAULTS["eps"])
+        lr = self.rate(opt.get("learning_rate", OPTIMIZER_DEFAULTS["learning_rate"]), "optimizer.learning_rate")
+        eps = self.rate(opt.get("eps", OPTIMIZER_DEFAULTS["eps"]), "optimizer.eps")
         if not isinstance(top["tables"], list) or not top["tables"]:
             self.fail("tables", "expected a non-empty list of tables")
         defaults = self.mapping(top.get("table_defaults") or {}, "table_defaults", _TABLE_KEYS - {"name"})
@@ -238,6 +250,8 @@ class _Parser:
             kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
             if value is not None and int in kinds and float not in kinds:
                 out[key] = self.integer(value, f"{where}.{key}")
+            elif isinstance(value, str) and float in kinds and re.fullmatch(_FLOAT, value):
+                out[key] = float(value)  # (YAML reads 1e-3 as a string)
             elif isinstance(value, list) and any(typing.get_origin(k) is tuple for k in kinds):
                 out[key] = tuple(value)
         return out
@@ -278,8 +292,10 @@ class _Parser:
             self.fail(where, "missing required key 'num_embeddings' (or a 'kvzch' block)")
         else:
             num_embeddings = self.positive(t["num_embeddings"], f"{where}.num_embeddings")
+            if num_embeddings > MAX_NUM_EMBEDDINGS:
+                self.fail(f"{where}.num_embeddings", f"{num_embeddings} ids do not fit int64; at most 2^63 - 1")
         return TableSpec(name, dim, tuple(features), pooling, num_embeddings, kvzch,
-                         self.constraints(t.get("planner"), f"{where}.planner"))
+                         self.constraints(t.get("planner"), f"{where}.planner", len(features), kvzch is not None))
 
     def kvzch(self, raw: Any, where: str, name: str, dim: int, kind, lr, eps) -> KVZCHTableParams:
         kv = self.typed(KVZCHTableParams, self.mapping(raw if raw is not None else {}, where, _KVZCH_KEYS),
@@ -297,18 +313,34 @@ class _Parser:
         except (TypeError, ValueError) as e:
             self.fail(where, str(e))
 
-    def constraints(self, raw: Any, where: str) -> ParameterConstraints | None:
+    def constraints(self, raw: Any, where: str, features: int, kvzch: bool) -> ParameterConstraints | None:
+        """The table's planner hints; ``kvzch``: whether it is a KV-ZCH table, which is sharded
+        row-wise on a virtual-table kernel, as an ordinary table is not."""
         if raw is None:
             return None
         c = dict(self.mapping(raw, where, _PLANNER_KEYS))
         for key, allowed in (("sharding_types", _SHARDING_TYPES), ("compute_kernels", _COMPUTE_KERNELS)):
             for i, value in enumerate(self.listed(c, key, where)):
                 self.choice(value, f"{where}.{key}[{i}]", allowed)
+        kernels = self.listed(c, "compute_kernels", where)
+        if kvzch and c.get("sharding_types") and ShardingType.ROW_WISE.value not in c["sharding_types"]:
+            self.fail(f"{where}.sharding_types", f"a KV-ZCH table is sharded row_wise (by buckets), not "
+                      f"{c['sharding_types']}; add row_wise or drop the key")
+        if kvzch and any(k not in VIRTUAL_KERNELS for k in kernels):
+            self.fail(f"{where}.compute_kernels", f"a KV-ZCH table runs on a virtual-table kernel "
+                      f"({', '.join(VIRTUAL_KERNELS)}), not {[k for k in kernels if k not in VIRTUAL_KERNELS]}; "
+                      "drop the others, or the table's kvzch block to make it ordinary")
+        if not kvzch and any(k in VIRTUAL_KERNELS for k in kernels):
+            self.fail(f"{where}.compute_kernels", f"{[k for k in kernels if k in VIRTUAL_KERNELS]} serve "
+                      "KV-ZCH tables; give this table a kvzch block to make it one, or drop them")
         for key, kind in (("pooling_factors", "number"), ("num_poolings", "number"), ("batch_sizes", "integer")):
-            for i, value in enumerate(self.listed(c, key, where)):  # (TorchRec's: one per feature)
+            values = self.listed(c, key, where)
+            for i, value in enumerate(values):
                 types = int if kind == "integer" else (int, float)
                 if isinstance(value, bool) or not isinstance(value, types) or value <= 0:
                     self.fail(f"{where}.{key}[{i}]", f"expected a positive {kind}, got {value!r}")
+            if values and len(values) != features:  # (TorchRec's: one per feature)
+                self.fail(f"{where}.{key}", f"expected one value per feature ({features}), got {len(values)}")
         if "min_partition" in c:
             c["min_partition"] = self.positive(c["min_partition"], f"{where}.min_partition")
         if not isinstance(c.get("enforce_hbm", False), bool):

@@ -71,6 +71,8 @@ _PLACEMENT_KEYS = frozenset({
 })
 # fused_params keys with a value our kernel always uses: any other value is refused.
 _FIXED_KEYS = {"gradient_clipping": False, "max_norm": 0.0, "output_dtype": "FP32"}
+# ParameterConstraints / ParameterSharding fields TorchRec hands the table's kernel as fused params.
+_TABLE_FUSED_FIELDS = ("stochastic_rounding", "output_dtype", "bounds_check_mode", "enforce_hbm")
 _KEY_VALUE_REFUSED = {
     "enable_raw_embedding_streaming": "streaming rows to a remote store is not provided",
     "res_store_shards": "streaming rows to a remote store is not provided",
@@ -95,11 +97,13 @@ EXTRA_FIELDS = ("eviction", "admission", "expected_rows", "checkpoint_chunk_rows
 
 def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_value_params=None,
                  fused_params: dict | None = None, explicit: KVZCHTableParams | None = None,
-                 extras: dict | None = None) -> KVZCHTableParams:
+                 extras: dict | None = None, own: dict | None = None) -> KVZCHTableParams:
     """The KV-ZCH parameters of a table declared the TorchRec way (``config`` planned on
     ``kernel`` with ``key_value_params``, sharded with ``fused_params``), merged with its
     ``KVZCHTableParams`` when it has some (``explicit``), or with the ``EXTRA_FIELDS`` its
-    ``KVZCHConstraints`` set (``extras``, which win over the fused params as a table's own do)."""
+    ``KVZCHConstraints`` set (``extras``, which win over the fused params as a table's own do).
+    ``own``: the fused params among ``fused_params`` that the table's own constraints or
+    sharding set (``table_own_fields``), which ``explicit`` may not contradict."""
     name = config.name
 
     def fail(problem: str, fix: str):
@@ -140,7 +144,7 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
     optimizer = _optimizer_fields(name, fused_params or {})
     dtype = DTYPES[config.data_type]
     if explicit is not None:
-        return _merge(config, explicit, dtype, eviction, storage, optimizer, fail)
+        return _merge(config, explicit, dtype, eviction, storage, optimizer, own or {}, fail)
     if "eviction" in extras and eviction.enabled:
         fail(f"eviction is declared twice: the config's virtual_table_eviction_policy reads as "
              f"{eviction}, its KVZCHConstraints say {extras['eviction']}",
@@ -160,17 +164,23 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
     return KVZCHTableParams(**{**fields, **extras}, defaulted=own)
 
 
+def table_own_fields(sharding_or_constraints) -> dict:
+    """The kernel settings a table's own ``ParameterConstraints`` / ``ParameterSharding`` set,
+    which TorchRec merges into the fused params of that table's kernel over the sharders'
+    (its ``add_params_from_parameter_sharding``; the cache's are read apart, ``device_cache.py``)."""
+    return {key: value for key in _TABLE_FUSED_FIELDS
+            if (value := getattr(sharding_or_constraints, key, None)) is not None}
+
+
 def table_fused_params(fused_params: dict | None, sharding_or_constraints) -> dict:
-    """The sharders' fused params with a table's own ``stochastic_rounding`` (TorchRec's
-    ``ParameterConstraints`` / ``ParameterSharding`` field) in place of theirs, as TorchRec
-    merges it into the fused params of that table's kernel."""
-    own = getattr(sharding_or_constraints, "stochastic_rounding", None)
-    fused = dict(fused_params or {})
-    return fused if own is None else {**fused, "stochastic_rounding": own}
+    """The sharders' fused params with the table's own settings (``table_own_fields``) in place
+    of theirs: checked like them, so that a value our kernel cannot honour is refused whichever
+    declares it."""
+    return {**(fused_params or {}), **table_own_fields(sharding_or_constraints)}
 
 
 def _merge(config, explicit: KVZCHTableParams, dtype: str, eviction: EvictionPolicy, storage,
-           optimizer: dict, fail) -> KVZCHTableParams:
+           optimizer: dict, own: dict, fail) -> KVZCHTableParams:
     """``explicit`` with its unset optimizer fields from the sharders and the disk tier its
     kernel's ``KeyValueParams`` declare, after checking that the config does not contradict it."""
     if (config.embedding_dim, config.num_embeddings, config.total_num_buckets) != (
@@ -194,6 +204,10 @@ def _merge(config, explicit: KVZCHTableParams, dtype: str, eviction: EvictionPol
         fail(f"its KeyValueParams declare a disk tier ({storage}), its KVZCHTableParams another "
              f"({explicit.storage})", "declare the disk tier once: in KeyValueParams or in KVZCHTableParams.storage")
     unset = explicit.defaulted or frozenset()
+    rounding = own.get("stochastic_rounding")
+    if rounding is not None and "stochastic_rounding" not in unset and rounding != explicit.stochastic_rounding:
+        fail(f"its constraints (or sharding) set stochastic_rounding={rounding}, its KVZCHTableParams "
+             f"{explicit.stochastic_rounding}", "declare it once, or make them agree")
     filled = {k: v for k, v in optimizer.items() if k in unset}  # (still not the table's own)
     if storage.enabled:
         filled["storage"] = storage
@@ -327,9 +341,10 @@ def _optimizer_fields(table: str, fused_params: dict) -> dict:
                  f"pass it as ParameterConstraints(key_value_params=KeyValueParams({key}=...))")
         elif key in _FIXED_KEYS:
             if not _same(value, _FIXED_KEYS[key]):
-                fail(f"fused param {key}={value!r} is not supported by the KV-ZCH kernel "
-                     f"(it uses {_FIXED_KEYS[key]})",
-                     "drop it, or give the KV-ZCH tables sharders without it")
+                fail(f"fused param {key}={getattr(value, 'name', value)!r} is not supported by the KV-ZCH "
+                     f"kernel (it uses {_FIXED_KEYS[key]})",
+                     "drop it from the table's ParameterConstraints, or give the KV-ZCH tables sharders "
+                     "without it")
         elif key in ("cache_load_factor", "cache_algorithm", "prefetch_pipeline"):
             notice(table, key, f"fused param '{key}' sizes the GPU cache over host rows of a KV-ZCH table "
                    "on CUDA ranks (DeviceCache); on CPU ranks the rows are in host memory and it has no use")

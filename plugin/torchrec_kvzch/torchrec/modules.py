@@ -37,7 +37,8 @@ from torchrec_kvzch.torchrec.state_dict import (
     TABLE_ENTRIES, UPSTREAM_ONLY_ENTRIES, kv_view, load_materialised, table_entries)
 from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.params import KVZCHTableParams, RankBudget
-from torchrec_kvzch.torchrec.declarations import KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_params
+from torchrec_kvzch.torchrec.declarations import (
+    KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_own_fields, table_params)
 from torchrec_kvzch.torchrec.device_cache import with_device_cache
 from torchrec_kvzch.torchrec.embedding_kernel import BUDGET_KEY, FUSED_PARAMS_KEY
 from torchrec_kvzch.torchrec.lookups import STORE_KERNEL, KVZCHRwPooledSharding, KVZCHRwSequenceSharding
@@ -97,7 +98,8 @@ def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict |
             raise ValueError(f"table '{name}' is planned on {STORE_KERNEL} without KV-ZCH "
                              f"parameters; plan it on {KVZCH_KERNEL} (KVZCHShardingPlanner does)")
         fused, kv = table_fused_params(fused_params, sharding), sharding.key_value_params
-        params = table_params(by_name[name], KVZCH_KERNEL if kernel == STORE_KERNEL else kernel, kv, fused, explicit)
+        params = table_params(by_name[name], KVZCH_KERNEL if kernel == STORE_KERNEL else kernel, kv, fused, explicit,
+                              own=table_own_fields(sharding))
         cuda = device is not None and torch.device(device).type == "cuda"  # (host rows under a GPU cache)
         params = with_device_cache(params, fused, sharding.cache_params, kv, cuda)
         if sharding.sharding_type != ROW_WISE:

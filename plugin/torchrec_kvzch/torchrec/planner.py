@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields, replace
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
+from torchrec.distributed.comm import get_local_size, get_topology_domain_multiple
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.constants import BATCH_SIZE, DDR_MEM_BW
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -46,15 +47,17 @@ from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstima
 from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.planner.types import ShardingOption, Storage
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.distributed.utils import get_device_type
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_kvzch.params import (
     AdmissionPolicy, BucketRange, EvictionPolicy, KVZCHTableParams, OptimizerKind, WeightDecayMode)
 from torchrec_kvzch.torchrec.declarations import (
-    EXTRA_FIELDS, KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_params)
+    EXTRA_FIELDS, KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_own_fields, table_params)
 from torchrec_kvzch.torchrec.device_cache import with_device_cache
 from torchrec_kvzch.torchrec.modules import ROW_WISE, KVZCHParameterSharding, kvzch_sharders
 from torchrec_kvzch.table.disk_tier import estimated_tier_bytes
+from torchrec_kvzch.table.eviction import budget_rows
 from torchrec_kvzch.table.layout import RowLayout
 from torchrec_kvzch.table.row_cache import estimated_split
 from torchrec_kvzch.table.row_store import RowStore
@@ -99,7 +102,7 @@ class KVZCHPerfConfig(EmbeddingPerfEstimatorConfig):
 class KVZCHStorageEstimator(EmbeddingStorageEstimator):
     """TorchRec's storage estimate, with the shards of tables declared with ``KVZCHConstraints``
     replaced by the bytes their ``expected_rows`` take in a row store (host DRAM on CPU, device
-    memory on CUDA). TorchRec's own declarations carry no row count: their shards keep
+    memory on CUDA), or their eviction budget where they have one. TorchRec's own declarations carry no row count: their shards keep
     TorchRec's estimate (the caches its ``KeyValueParams`` size)."""
 
     def __init__(self, topology: Topology, constraints, tables: dict[str, KVZCHTableParams]) -> None:
@@ -118,6 +121,10 @@ class KVZCHStorageEstimator(EmbeddingStorageEstimator):
                 start, rows, size = shard.offset[0], shard.size[0], params.bucket_size
                 buckets = BucketRange(start // size, (start + rows) // size, size)
                 rows, extra, on_disk = params.expected_shard_rows(buckets), params.admission.sketch_bytes, 0
+                # A budget is the most the shard holds, and the store reserves it up front.
+                policy = params.eviction.for_shard(buckets.start, buckets.end, params.total_num_buckets, params.name)
+                cap = budget_rows(policy, lambda n: RowStore.estimated_bytes(layout, n, reserved=True))
+                rows = rows if cap is None else cap
                 if params.storage.enabled:  # the cache's rows (and the tier's index) in DRAM, the others on disk
                     cached = min(rows, params.storage.shard_bytes(buckets.num_buckets, params.total_num_buckets)
                                  // layout.stored_bytes)
@@ -129,7 +136,7 @@ class KVZCHStorageEstimator(EmbeddingStorageEstimator):
                     hbm, host = estimated_split(layout, rows, cache_rows)
                     shard.storage = Storage(hbm=hbm + extra, ddr=host)
                     continue
-                nbytes = RowStore.estimated_bytes(layout, rows) + extra
+                nbytes = RowStore.estimated_bytes(layout, rows, reserved=cap is not None) + extra
                 shard.storage = (Storage(hbm=nbytes, ddr=0) if self._on_cuda else
                                  Storage(hbm=0, ddr=nbytes, **({"ssd": on_disk} if _SSD and on_disk else {})))
 
@@ -174,12 +181,29 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
 
     def __init__(
         self,
-        topology: Topology,
+        topology: Topology | None = None,
         batch_size: int | None = None,
+        enumerator=None,
+        storage_reservation=None,
+        proposer=None,
+        partitioner=None,
+        performance_model=None,
+        stats=None,
         constraints: dict[str, ParameterConstraints] | None = None,
         **kwargs,
     ) -> None:
+        """TorchRec's arguments, in its order. The enumerator is ours (it carries the estimators
+        that price KV-ZCH tables): another is refused rather than left without them."""
+        if enumerator is not None:
+            raise ValueError("KVZCHShardingPlanner builds its own enumerator (its estimators price "
+                             "KV-ZCH tables); fix: leave enumerator out (constraints and topology "
+                             "reach it), or plan with EmbeddingShardingPlanner and no KV-ZCH tables")
+        if topology is None:  # as TorchRec's planner: this process group's world, this device type
+            topology = Topology(local_world_size=get_local_size(), world_size=dist.get_world_size(),
+                                compute_device=get_device_type(), pod_size=get_topology_domain_multiple())
         batch_size = BATCH_SIZE if batch_size is None else batch_size  # as TorchRec's planner
+        kwargs.update(proposer=proposer, partitioner=partitioner, performance_model=performance_model,
+                      stats=stats)
         # Our own copies: the planner narrows them, the caller's objects stay as given.
         self._constraints = {name: replace(c) for name, c in (constraints or {}).items()}
         self._kvzch: dict[str, KVZCHTableParams] = {}  # filled by plan()
@@ -189,7 +213,7 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
         storage = KVZCHStorageEstimator(topology, self._constraints, self._estimated)
         enumerator = EmbeddingEnumerator(topology, batch_size, self._constraints,
                                          estimator=[perf, storage])
-        kwargs["storage_reservation"] = kwargs.get("storage_reservation") or QuietStorageReservation()
+        kwargs["storage_reservation"] = storage_reservation or QuietStorageReservation()
         super().__init__(topology=topology, batch_size=batch_size, enumerator=enumerator,
                          constraints=self._constraints, **kwargs)
 
@@ -267,7 +291,7 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
                                      f"parameters of table '{explicit.name}'")
                 extras = constraints.extras() if isinstance(constraints, KVZCHConstraints) else {}
                 kv, table_fused = getattr(constraints, "key_value_params", None), table_fused_params(fused, constraints)
-                params = table_params(config, kernel, kv, table_fused, explicit, extras)
+                params = table_params(config, kernel, kv, table_fused, explicit, extras, table_own_fields(constraints))
                 # (as the sharders will read them: TorchRec's cache declarations size a CUDA shard's cache)
                 tables[config.name] = with_device_cache(params, table_fused, getattr(constraints, "cache_params", None),
                                                         kv, self._topology.compute_device == "cuda")

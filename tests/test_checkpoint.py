@@ -396,6 +396,43 @@ def test_materialised_state_dict_loads_through_load_state_dict(pools, whole_row)
     assert pools[2].run(load_materialized, whole_row) == [True, True]
 
 
+def copy_and_restore(rank, world_size, root, how):
+    """State dicts copied (``copy.deepcopy``) or pickled (``torch.save``) hold the rows of the
+    moment they were taken, whatever training does after; loaded back, they restore them."""
+    import copy
+    import io
+    model = build(world_size, 7, whole_row=False)
+    model(batch(3 + rank)).wait().values().sum().backward()
+    want = all_rows(model, False)
+    state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+    if how == "deepcopy":
+        kept = copy.deepcopy(state)
+    else:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        kept = torch.load(buffer, weights_only=False)
+    for seed in range(3):  # rows trained and created after the copy
+        model(batch(10 + seed + rank)).wait().values().sum().backward()
+    assert all_rows(model, False) != want
+    try:
+        copy.deepcopy(state)  # the live state dict is stale now: its copy would mix two moments
+        stale = None
+    except ValueError as e:
+        stale = str(e)
+    model.load_state_dict(kept["model"])
+    model.fused_optimizer.load_state_dict(kept["optim"])
+    got = all_rows(model, False)
+    return got.keys() == want.keys() and all(torch.equal(want[k], got[k]) for k in want), stale
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copied_or_pickled_state_dict_holds_its_moments_rows(pools, tmp_path, how):
+    for restored, stale in pools[2].run(copy_and_restore, str(tmp_path), how):
+        assert restored
+        assert stale is not None and "the state dict to copy was taken before the table last changed" in stale
+
+
 def to_zlib_checksums(path: str) -> None:
     """Rewrite the checksum side files as earlier versions wrote them: a flat {item: zlib CRC-32}."""
     metadata = FileSystemReader(path).read_metadata()

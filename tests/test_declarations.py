@@ -207,7 +207,10 @@ def test_fused_params_fill_what_a_table_leaves_unset():
         table_params(config(), extras=KVZCHConstraints(beta2=0.9).extras())
     for fused, message in [({"weight_decay": 0.1}, "weight_decay 0.1 with weight_decay_mode none would be dropped"),
                            ({"weight_decay": 0.1, "weight_decay_mode": FbgemmMode.COUNTER},
-                            r"weight_decay_mode 'COUNTER' is unknown; use one of none, l2, decouple \(it needs per-row counters"),
+                            r"weight_decay_mode 'COUNTER' is fbgemm's, but not supported by KV-ZCH tables: it needs "
+                            "per-row counters"),
+                           ({"weight_decay": 0.1, "weight_decay_mode": FbgemmMode.DECOUPLE_GLOBAL},
+                            r"'DECOUPLE_GLOBAL' is fbgemm's, but not supported .*use one of none, l2, decouple$"),
                            ({"weight_decay": -1.0, "weight_decay_mode": FbgemmMode.L2}, "weight_decay must be")]:
         with pytest.raises(ValueError, match=message):
             table_params(config(), fused_params=fused)

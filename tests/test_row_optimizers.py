@@ -1,5 +1,5 @@
-"""The table's own fused updates (issue 33): Adam, partial row-wise Adam and row-wise Adagrad
-with L2 decay. After several steps every output, row and moment equals a float64 reference -
+"""The table's own fused updates (issue 33): Adam, partial row-wise Adam, row-wise Adagrad
+with L2 decay, and fp16 SGD and row-wise Adagrad with a decay. After several steps every output, row and moment equals a float64 reference -
 the batch's distinct rows as a dense table, autograd for their gradients, fbgemm's update rules
 written out by hand - for SUM, MEAN and NONE pooling, with per-sample weights (and their
 gradient), weight decay and fp16 rows rounded stochastically."""
@@ -42,10 +42,13 @@ def reference_step(rows: dict, state: dict, ids, offsets, weights, grad_out, p: 
     for i, w, g in zip(unique.tolist(), table.detach(), table.grad):
         g = g + wd * w if l2 else g
         s = state[i]
-        if p.optimizer.value == "exact_row_wise_adagrad":
-            s[0] += g.pow(2).mean()
+        if p.optimizer.value in ("exact_row_wise_adagrad", "exact_sgd"):
+            multiplier = lr
+            if p.optimizer.value == "exact_row_wise_adagrad":
+                s[0] += g.pow(2).mean()
+                multiplier = lr / (s[0].sqrt() + eps)
             w = w * (1 - lr * wd) if not l2 else w
-            rows[i] = w - lr / (s[0].sqrt() + eps) * g
+            rows[i] = w - multiplier * g
             continue
         if p.optimizer.value == "adam":
             m, v = s[:DIM], s[DIM:]
@@ -120,6 +123,34 @@ def test_fp16_rows_round_stochastically_and_alike_on_a_rerun_and_in_both_twins(o
     with mock.patch.object(row_optimizers, "native_status", lambda: False):  # the twin draws alike
         twin, _, _ = train_against_reference(p, PoolingMode.SUM, seed=3, tolerance=fp16)
     assert float((twin.store.read_ids(ids).float() - first.store.read_ids(ids).float()).abs().max()) <= 2.0 ** -9
+
+
+@pytest.mark.parametrize("optimizer,mode", [("exact_sgd", "decouple"), ("exact_sgd", "l2"),
+                                            ("exact_row_wise_adagrad", "decouple")])
+@pytest.mark.parametrize("native", [True, False])
+def test_fp16_rows_with_a_weight_decay_round_once_per_update(optimizer, mode, native):
+    """fbgemm computes ``c w - m g`` and rounds it once: a decay applied apart, rounded to the
+    nearest fp16 on its own, would vanish whenever ``lr * wd * |w|`` is below half a step. Such
+    tables run their own update: trained, the rows follow the reference; with zero gradients
+    and stochastic rounding, they shrink as fp32 rows do."""
+    p = KVZCHTableParams("t", DIM, num_embeddings=2**20, total_num_buckets=4, optimizer=optimizer,
+                         learning_rate=0.05, weight_decay=0.01, weight_decay_mode=mode, weight_dtype="fp16",
+                         init_range=(-1.0, 1.0))
+    with mock.patch.object(row_optimizers, "native_status", lambda: native):
+        tbe, rows, _ = train_against_reference(p, PoolingMode.SUM, seed=5, tolerance=(4e-3, 4e-3))
+        ids = torch.tensor(sorted(rows))
+        got, want = tbe.store.read_ids(ids).double(), torch.stack([rows[i] for i in ids.tolist()])
+        assert bool(((got - want).abs() <= 4e-3 * want.abs() + 1e-3).all())
+        small = KVZCHTableParams("s", DIM, num_embeddings=2**20, total_num_buckets=4, optimizer=optimizer,
+                                 learning_rate=0.01, weight_decay=0.01, weight_decay_mode=mode,
+                                 weight_dtype="fp16", init_range=(-1.0, 1.0))  # 1e-4 a step: below half an fp16 step
+        still = TableTBE(small, small.bucket_range(0, 1))
+        ids, offsets = torch.arange(64), torch.tensor([0, 64])
+        start = still.store.peek(ids).float().abs().sum()  # (the rows the first step creates, then decays)
+        for _ in range(300):
+            (still(ids, offsets) * 0).sum().backward()
+        ratio = float(still.store.read_ids(ids).float().abs().sum() / start)
+    assert abs(ratio - (1 - 0.01 * 0.01) ** 300) < 0.003, ratio
 
 
 def test_stochastic_rounding_to_fp16_is_unbiased_and_lands_on_a_neighbour():

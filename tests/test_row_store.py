@@ -158,6 +158,14 @@ def test_ids_outside_the_shard_are_rejected_before_any_change():
     assert len(store) == 1
     counts = RowSnapshot(store).bucket_counts()
     assert counts.shape == (64,) and counts.tolist()[0] == 1 and int(counts.sum()) == 1
+    # The widest table int64 ids allow: its one shard spans [0, 2^63 - 1), and the last id is out.
+    widest = KVZCHTableParams("wide", 4, num_embeddings=2**63 - 1, total_num_buckets=7)
+    store = RowStore(widest, bucket_range=widest.bucket_range(0, 1))
+    with pytest.raises(ValueError, match=r"table 'wide': id 9223372036854775807 is outside this shard's ids"):
+        store.find_or_insert(torch.tensor([5, 2**63 - 1]))
+    assert len(store) == 0
+    with pytest.raises(ValueError, match="KV-ZCH table 'wide': num_embeddings 9223372036854775808 ids do not fit"):
+        KVZCHTableParams("wide", 4, num_embeddings=2**63, total_num_buckets=8)
 
 
 def test_bucket_sorted_ids_and_counts():

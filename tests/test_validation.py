@@ -91,6 +91,15 @@ def _battery(rank, world_size, sequence):
             errors[what] = None
         except ValueError as e:
             errors[what] = str(e)
+    if not sequence:  # TorchRec's variable batch (a batch size per feature): pooled modules take it
+        vbe = KeyedJaggedTensor(keys=["user_id", "category"], values=torch.tensor([7, 8, 3, 4, 5]),
+                                lengths=torch.ones(5, dtype=torch.long), stride_per_key_per_rank=[[2], [3]],
+                                inverse_indices=(["user_id", "category"], torch.tensor([[0, 1, 1], [0, 1, 2]])))
+        try:
+            model(vbe).wait()
+            errors["variable batch"] = None
+        except ValueError as e:
+            errors["variable batch"] = str(e)
     after = state()
     unchanged = (before[0] == after[0] and before[1] == after[1] and torch.equal(before[2], after[2])
                  and all(torch.equal(before[3][k], after[3][k]) for k in before[3]))
@@ -112,4 +121,7 @@ def test_bad_batches_fail_naming_feature_and_table_before_anything_changes():
             assert errors[what] is not None and fragment in errors[what], (sequence, what, errors[what])
         assert unchanged, sequence
         assert "TorchRec routes features by the first batch's order" in errors["other module's feature between ours"]
+        if not sequence:
+            assert "(TorchRec's variable batch, VBE), which KV-ZCH tables ['user'] (features ['user_id']) do not" \
+                in errors["variable batch"]
         assert rows == 3  # 7 and 2**39 from the first batch, 11 from the last

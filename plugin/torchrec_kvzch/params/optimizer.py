@@ -69,10 +69,9 @@ class WeightDecayMode(str, enum.Enum):
     ``DECOUPLE`` shrinks the row by ``learning_rate * weight_decay`` apart from the gradient;
     ``L2`` adds ``weight_decay * w`` to the gradient, which for SGD is the same step
     (``w * (1 - lr * wd) - lr * g``). The table applies the decay itself (fbgemm's SGD has none,
-    its CPU rowwise Adagrad drops it); rowwise Adagrad with ``L2``, whose term must enter the
-    accumulator, is refused until the table's own update does that. fbgemm's
-    ``COUNTER``, ``COWCLIP`` and ``DECOUPLE_GLOBAL`` need per-row counters or a global step that
-    the rows do not keep: refused."""
+    its CPU rowwise Adagrad drops it; ``table/row_optimizers.py``). fbgemm's ``COUNTER``,
+    ``COWCLIP`` and ``DECOUPLE_GLOBAL`` need per-row counters or a global step that the rows do
+    not keep: refused."""
 
     NONE = "none"
     L2 = "l2"
@@ -85,9 +84,11 @@ class WeightDecayMode(str, enum.Enum):
             value = value.name
 
         def fail(problem: str):
-            why = (" (it needs per-row counters or a global step the rows do not keep)"
-                   if str(value).lower() in _NEEDS_STATE else "")
-            raise ValueError(f"KV-ZCH table '{table}': {problem}{why}")
+            raise ValueError(f"KV-ZCH table '{table}': {problem}")
+        if str(value).lower() in _NEEDS_STATE:
+            fail(f"weight_decay_mode {value!r} is fbgemm's, but not supported by KV-ZCH tables: it needs "
+                 "per-row counters or a global step the rows do not keep (upstream's KV-ZCH TBE refuses it "
+                 f"too); use one of {', '.join(m.value for m in cls)}")
         return member(cls, value, "weight_decay_mode", fail)
 
 

@@ -1,6 +1,8 @@
 """The fused updates a table runs itself, over the rows a batch touched (issue 33): Adam,
-partial row-wise Adam, and row-wise Adagrad with L2 weight decay. fbgemm's CPU TBE has none of
-them (its CUDA Adam keeps the moments as flat tensors of their own, apart from the rows).
+partial row-wise Adam, and row-wise Adagrad with L2 weight decay, which fbgemm's CPU TBE does
+not have (its CUDA Adam keeps the moments as flat tensors of their own, apart from the rows);
+and SGD and row-wise Adagrad with any weight decay on fp16 rows, which fbgemm's update would
+round once more after the decay (``TableTBE._decay``), dropping a decay below half an fp16 step.
 
 The math is fbgemm's (``codegen/genscript/optimizers.py``), applied once per distinct row of the
 batch to ``g``, the row's gradient summed over its occurrences:
@@ -8,11 +10,13 @@ batch to ``g``, the row's gradient summed over its occurrences:
 * Adam: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2`` (per element), then
   ``w -= lr (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + wd w)``;
 * partial row-wise Adam: the same, with ``v`` one value per row fed ``mean(g^2)``;
-* row-wise Adagrad: ``a += mean(g^2)``, ``w -= lr / (sqrt(a) + eps) g``.
+* row-wise Adagrad: ``a += mean(g^2)``, ``w = c w - lr / (sqrt(a) + eps) g``;
+* SGD: ``w = c w - lr g``.
 
-Weight decay: ``decouple`` is the ``wd w`` term above (Adam; row-wise Adagrad with it stays on
-fbgemm's update, ``TableTBE._decay``); ``l2`` adds ``wd w`` to ``g`` before anything reads it
-(fbgemm's rule for row-wise Adagrad; for Adam, torch.optim.Adam's).
+Weight decay: ``decouple`` is the ``wd w`` term above (Adam) and ``c = 1 - lr wd`` (else 1);
+``l2`` adds ``wd w`` to ``g`` before anything reads it (fbgemm's rule for row-wise Adagrad; for
+Adam, torch.optim.Adam's; for SGD the same step as ``decouple``). fp32 rows of SGD and row-wise
+Adagrad with ``decouple`` stay on fbgemm's update (``TableTBE._decay``).
 ``t`` is the table's clock at the batch's forward: the training steps it has seen, saved with
 every checkpoint, as fbgemm counts its ``iter`` per forward.
 
@@ -35,7 +39,8 @@ from torchrec_kvzch.table.native import native_status
 
 _FP16_DROPPED = (1 << 13) - 1  # fp32 mantissa bits an fp16 does not keep
 # The native op's numbers for the optimizers it runs.
-_KINDS = {OptimizerKind.EXACT_ROWWISE_ADAGRAD: 0, OptimizerKind.ADAM: 1, OptimizerKind.PARTIAL_ROWWISE_ADAM: 2}
+_KINDS = {OptimizerKind.EXACT_ROWWISE_ADAGRAD: 0, OptimizerKind.ADAM: 1, OptimizerKind.PARTIAL_ROWWISE_ADAM: 2,
+          OptimizerKind.EXACT_SGD: 3}
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,9 @@ class Hyper:
 
 def runs_itself(params: KVZCHTableParams) -> bool:
     """Whether the table's update is ours rather than fbgemm's."""
-    return params.optimizer.adam or (
-        params.optimizer is OptimizerKind.EXACT_ROWWISE_ADAGRAD and params.weight_decay > 0
+    decays = params.weight_decay > 0
+    return params.optimizer.adam or (decays and params.weight_dtype == "fp16") or (
+        params.optimizer is OptimizerKind.EXACT_ROWWISE_ADAGRAD and decays
         and params.weight_decay_mode is WeightDecayMode.L2)
 
 
@@ -115,9 +121,13 @@ def update_rows(hyper: Hyper, weights: torch.Tensor, state: torch.Tensor, rows: 
     g = grads + hyper.weight_decay * w if hyper.l2 and hyper.weight_decay else grads
     dim = w.shape[1]
     kind = hyper.kind
-    if kind is OptimizerKind.EXACT_ROWWISE_ADAGRAD:
-        s[:, 0] += g.square().mean(dim=1)
-        w -= (hyper.lr / (s[:, :1].sqrt() + hyper.eps)) * g
+    if kind in (OptimizerKind.EXACT_ROWWISE_ADAGRAD, OptimizerKind.EXACT_SGD):
+        multiplier = hyper.lr
+        if kind is OptimizerKind.EXACT_ROWWISE_ADAGRAD:
+            s[:, 0] += g.square().mean(dim=1)
+            multiplier = hyper.lr / (s[:, :1].sqrt() + hyper.eps)
+        correction = 1.0 if hyper.l2 else 1.0 - hyper.lr * hyper.weight_decay
+        w = correction * w - multiplier * g
     else:
         b1, b2 = hyper.beta1, hyper.beta2
         if kind is OptimizerKind.ADAM:

@@ -115,15 +115,15 @@ class RowSnapshot:
                              f"since this state dict was taken, so it cannot be {what}; take the "
                              "state dict again right before saving")
 
-    def check_fresh(self) -> None:
-        """A state dict saves its tables as of the moment it was taken (rows, clock, counters);
-        after a training step, load or write, a plain snapshot would read today's rows under
-        that moment's ids and history, a checkpoint of two moments: refused."""
+    def check_fresh(self, what: str = "save") -> None:
+        """A state dict saves (or copies) its tables as of the moment it was taken (rows, clock,
+        counters); after a training step, load or write, a plain snapshot would read today's
+        rows under that moment's ids and history, a checkpoint of two moments: refused."""
         if self.mark != self.store.mark() or self.epoch != self.store.epoch:
-            raise ValueError(f"KV-ZCH table '{self.store.params.name}': the state dict to save was taken "
+            raise ValueError(f"KV-ZCH table '{self.store.params.name}': the state dict to {what} was taken "
                              "before the table last changed (a training step, load or write since), so "
-                             "it would save rows of two moments; take a fresh state_dict() (the model's, "
-                             "then the optimizer's) right before each save")
+                             f"it would {what} rows of two moments; take a fresh state_dict() (the model's, "
+                             f"then the optimizer's) right before each {what}")
 
     @property
     def frozen(self) -> bool:

@@ -127,7 +127,8 @@ class _KVZCHModuleMixin:
         self._register_load_state_dict_pre_hook(_take_kvzch_entries, with_module=True)
         scored = {t for t, ps in self.module_sharding_plan.items()  # (their KJT weights are scores: >= 0)
                   if getattr(ps, "kvzch", None) is not None and ps.kvzch.eviction.scores_from_weights}
-        self._check_batch = BatchChecker(getattr(self, self._configs_attr), scored)
+        kvzch = {t for t, ps in self.module_sharding_plan.items() if getattr(ps, "kvzch", None) is not None}
+        self._check_batch = BatchChecker(getattr(self, self._configs_attr), scored, kvzch)
 
     def input_dist(self, ctx, features, *args, **kwargs):
         # A store makes rows of whatever ids arrive: refuse a bad batch before it is routed.

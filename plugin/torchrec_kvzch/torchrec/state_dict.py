@@ -172,7 +172,24 @@ def row_counts_by_rank(local: dict[str, int], pg: dist.ProcessGroup | None) -> d
 
 class KVChunk(PartiallyMaterializedTensor):
     """fbgemm's lazy tensor over a KVTensor chunk, except that ``copy_`` writes (into writable
-    views): TorchRec's optimizer ``load_state_dict`` copies loaded state into the current one."""
+    views): TorchRec's optimizer ``load_state_dict`` copies loaded state into the current one;
+    and that a copy (``copy.deepcopy``) or a pickle (``torch.save``) holds the chunk's rows
+    themselves, as any state dict's would, where fbgemm's would share (or fail to pickle) the
+    store."""
+
+    def __deepcopy__(self, memo):
+        rows = self._materialised("copy")
+        memo[id(self)] = rows
+        return rows
+
+    def __reduce__(self):
+        return _rows, (self._materialised("pickle"),)
+
+    def _materialised(self, what: str) -> torch.Tensor:
+        snapshot = self.wrapped.snapshot
+        if not snapshot.frozen:
+            snapshot.check_fresh(what)
+        return self.full_tensor()
 
     def copy_(self, src, non_blocking: bool = False):
         """A plain ``src`` holds this chunk's rows in its order: written by this chunk's ids. A
@@ -190,6 +207,11 @@ class KVChunk(PartiallyMaterializedTensor):
         else:
             view.set_weights_and_ids(src.reshape(view.shape[0], -1), view.ids)
         return self
+
+
+def _rows(rows: torch.Tensor) -> torch.Tensor:
+    """What an unpickled ``KVChunk`` is: its rows."""
+    return rows
 
 
 def rows_sharded_tensor(view: KVTensor, rows_per_rank: list[int], pg) -> ShardedTensor:

@@ -19,10 +19,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
 class BatchChecker:
-    def __init__(self, configs, scored: set[str] = frozenset()) -> None:
+    def __init__(self, configs, scored: set[str] = frozenset(), kvzch: set[str] = frozenset()) -> None:
         """``configs``: the module's TorchRec table configs (name, num_embeddings, feature_names);
-        ``scored``: the tables whose feature scores are the KJT's weights."""
+        ``scored``: the tables whose feature scores are the KJT's weights; ``kvzch``: the KV-ZCH
+        tables (no variable batch size per feature yet)."""
         self.scored = {f for c in configs if c.name in scored for f in c.feature_names}
+        self.fixed_stride = [f for c in configs if c.name in kvzch for f in c.feature_names]
         self.table_of = {f: c.name for c in configs for f in c.feature_names}
         self.rows_of = {f: c.num_embeddings for c in configs for f in c.feature_names}
         self.keys: list[str] | None = None  # the first batch's key order, which TorchRec routes by
@@ -64,6 +66,10 @@ class BatchChecker:
             raise ValueError(f"the batch's features come in the order {keys}, the first batch's in "
                              f"{self.keys}; TorchRec routes features by the first batch's order (where each "
                              "sits in it), so keep one order for every batch")
+        if kjt.variable_stride_per_key() and self.fixed_stride:
+            raise ValueError(f"the batch has a batch size per feature (TorchRec's variable batch, VBE), which "
+                             f"KV-ZCH tables {self.tables(self.fixed_stride)} (features {self.fixed_stride}) do not "
+                             "take yet; give every feature the batch's size (lengths 0 where it has no ids)")
         missing = sorted(set(self.table_of) - set(keys))
         if missing:  # (features no table reads pass, as in TorchRec: a batch may feed several modules)
             others = [k for k in keys if k not in self.table_of]

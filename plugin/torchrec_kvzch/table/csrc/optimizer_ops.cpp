@@ -1,6 +1,6 @@
 // The fused updates a table runs itself (table/row_optimizers.py, whose torch twin computes the
-// same): Adam, partial row-wise Adam and row-wise Adagrad with an L2 decay, over the rows a
-// training batch touched. The batch's slots come sorted, so each distinct row is a run of
+// same): Adam, partial row-wise Adam, row-wise Adagrad with an L2 decay, and fp16 SGD and
+// row-wise Adagrad with a decay, over the rows a training batch touched. The batch's slots come sorted, so each distinct row is a run of
 // them: a task sums the run's gradients (rows `source[i]` of `grad`, times `scale[i]`) into a
 // buffer of its own and updates the row in place at once - no [rows, D] gradient tensor, and no
 // two tasks on one row.
@@ -15,7 +15,7 @@
 namespace kvzch {
 namespace {
 
-enum OwnKind : int64_t { kRowwiseAdagrad = 0, kAdam = 1, kPartialRowwiseAdam = 2 };
+enum OwnKind : int64_t { kRowwiseAdagrad = 0, kAdam = 1, kPartialRowwiseAdam = 2, kSgd = 3 };
 
 constexpr uint32_t kFp16Dropped = (1u << 13) - 1;  // fp32 mantissa bits an fp16 does not keep
 
@@ -60,12 +60,16 @@ void own_update_rows(W* weights, float* state, const float* grad, const int64_t*
         for (int64_t j = 0; j < dim; ++j) g[j] += wd * w[j];
       }
       float* s = state + row * floats;
-      if (kind == kRowwiseAdagrad) {
-        float squares = 0.0f;
-        for (int64_t j = 0; j < dim; ++j) squares += g[j] * g[j];
-        s[0] += squares / static_cast<float>(dim);  // (only with an l2 decay: already in g)
-        const float multiplier = flr / (std::sqrt(s[0]) + feps);
-        for (int64_t j = 0; j < dim; ++j) w[j] -= multiplier * g[j];
+      if (kind == kRowwiseAdagrad || kind == kSgd) {  // fbgemm's w = correction w - multiplier g
+        float multiplier = flr;
+        if (kind == kRowwiseAdagrad) {
+          float squares = 0.0f;
+          for (int64_t j = 0; j < dim; ++j) squares += g[j] * g[j];
+          s[0] += squares / static_cast<float>(dim);  // (with an l2 decay: already in g)
+          multiplier = flr / (std::sqrt(s[0]) + feps);
+        }
+        const float correction = l2 ? 1.0f : 1.0f - flr * wd;
+        for (int64_t j = 0; j < dim; ++j) w[j] = correction * w[j] - multiplier * g[j];
       } else {
         const float keep = l2 ? 0.0f : wd;
         float* m = kind == kAdam ? s : s + 1;

@@ -61,3 +61,32 @@ def test_the_version_is_the_installed_one_and_the_changelog_names_it():
     assert torchrec_kvzch.__version__ == installed
     changelog = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
     assert f"## {installed}" in changelog
+
+
+def test_every_package_the_plugin_imports_is_declared():
+    """A wheel installed elsewhere brings what the package imports: each third-party module
+    it imports is in setup.cfg's install_requires or an extra, but for those setup.cfg says
+    come apart (torchrec, installed with --no-deps) or with the GPU stack (triton)."""
+    import ast
+    import configparser
+    from pathlib import Path
+
+    root = Path(torchrec_kvzch.__file__).parent
+    imported = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = {m for m in imported - set(sys.stdlib_module_names) if m != "torchrec_kvzch"}
+    cfg = configparser.ConfigParser()
+    cfg.read(root.parent.parent / "setup.cfg")
+    lines = cfg["options"]["install_requires"].splitlines() + [
+        line for extra in cfg["options.extras_require"].values() for line in extra.splitlines()]
+    declared = {line.split(">")[0].split("=")[0].split("<")[0].strip().lower() for line in lines
+                if line.strip() and not line.strip().startswith("#")}
+    distribution = {"yaml": "pyyaml", "fbgemm_gpu": "fbgemm-gpu"}
+    apart = {"torchrec", "triton"}
+    missing = sorted(m for m in third_party - apart if distribution.get(m, m) not in declared)
+    assert not missing, f"imported but not declared in setup.cfg: {missing}"

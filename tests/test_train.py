@@ -122,6 +122,22 @@ def test_every_run_keeps_its_summary_and_draws_the_run_so_far(tmp_path):
     assert second["plot"] == str(run / "metrics.png") and (run / "metrics.png").stat().st_size > 10_000
 
 
+def test_a_run_started_below_the_latest_checkpoint_retires_the_later_ones(tmp_path):
+    """``--resume none`` (or an older step) starts another run in the folder: the later
+    checkpoints are another run's, moved aside (not deleted), so that a plain rerun resumes
+    this run's latest and ``--keep`` counts this run's."""
+    run = tmp_path / "run"
+    train(run, "--steps", 6, "--checkpoint-every", 2, "--seed", 1, nproc=1)
+    assert steps_on_disk(run) == ["step-00000004", "step-00000006"]
+    done, fresh = train(run, "--steps", 3, "--checkpoint-every", 2, "--seed", 2, "--resume", "none", nproc=1)
+    assert "--resume none: starting fresh" in done.stdout and "checkpoints [4, 6] are later" in done.stdout
+    [aside] = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("retired-")]
+    assert sorted(p.name for p in aside.iterdir()) == ["step-00000004", "step-00000006"]
+    assert [s for s in steps_on_disk(run) if s.startswith("step-")] == ["step-00000002", "step-00000003"]
+    done, again = train(run, "--steps", 4, "--checkpoint-every", 2, "--seed", 2, nproc=1)
+    assert again["resumed_from"] == 3 and again["probe_after_resume"] == fresh["probe_final"]
+
+
 def test_a_dry_run_prints_the_plan_and_memory_per_rank_and_starts_nothing(tmp_path, capsys):
     assert main(["--config", QUICKSTART, "--nproc", "4", "--dry-run", "--run-dir", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out

@@ -27,7 +27,9 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import threading
+import time
 import traceback
 import warnings
 from concurrent.futures import Future
@@ -119,6 +121,20 @@ class CheckpointManager:
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
+
+    def retire_after(self, step: int) -> tuple[list[int], Path | None]:
+        """Move the complete checkpoints after ``step`` into a ``retired-*`` folder of the root,
+        for a run that starts at ``step`` below them (a fresh start, or a resume from an older
+        one): they are another run's, which ``latest()`` would otherwise resume and ``keep``
+        count. Moved, not deleted. Returns (their steps, the folder). Collective."""
+        later = [s for s in self.steps() if s > step]
+        aside = None
+        if later and _rank() == 0:
+            aside = Path(tempfile.mkdtemp(prefix=time.strftime("retired-%Y%m%d-%H%M%S-"), dir=self.root))
+            for s in later:
+                os.rename(self.path(s), aside / self.path(s).name)
+        self._barrier()
+        return later, aside
 
     def chain(self, step: int) -> list[int]:
         """The steps whose checkpoints restore ``step``: its full checkpoint first, ``step``
@@ -244,9 +260,12 @@ class CheckpointManager:
             self._base = base
             if _rank() != 0 or not partial.exists():
                 return
-            if final.exists():  # the same step saved again: the new one wins
-                shutil.rmtree(final)
+            replaced = final.with_suffix(".replaced")
+            if final.exists():  # the same step saved again: the new one wins, the old aside until then
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.rename(final, replaced)
             os.rename(partial, final)
+            shutil.rmtree(replaced, ignore_errors=True)
             steps = self.steps()
             needed = set()
             for kept in steps[-self.keep:] + [step]:  # (never the one just committed)

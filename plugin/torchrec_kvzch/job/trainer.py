@@ -122,7 +122,16 @@ class Trainer:
         return self.finish()
 
     def resume(self) -> None:
+        """Load the checkpoint ``--resume`` names; then retire any later one, another run's."""
+        self._resume()
+        later, aside = self.checkpoints.retire_after(self.start)
+        if later:
+            self.say(f"checkpoints {later} are later than this run's start (step {self.start}): moved to "
+                     f"{aside}, so that this run's own checkpoints are the ones a rerun resumes from")
+
+    def _resume(self) -> None:
         if self.args.resume == "none":
+            self.say(f"--resume none: starting fresh under {self.checkpoints.root}")
             return
         step = None if self.args.resume == "auto" else int(self.args.resume)
         if step is None and self.checkpoints.latest() is None:

@@ -362,8 +362,7 @@ class IdMap:
     @staticmethod
     def _raise_if_bad(ids: torch.Tensor, bad: int, bounds: tuple[int, int]) -> None:
         if bad >= 0:
-            id_ = int(ids[bad])
-            # (Bounds of ANY_ID: an unbounded lookup, or a shard of 2^63 - 1 ids, whose last is out.)
+            id_ = int(ids[bad])  # (ANY_ID: unbounded, or a shard of 2^63 - 1 ids, whose last is out)
             raise _negative(id_) if bounds == ANY_ID and id_ < 0 else IdOutOfRange(id_, bounds)
 
     def _grow_slot_keys(self, need: int) -> None:

@@ -411,7 +411,7 @@ def copy_and_restore(rank, world_size, root, how):
         buffer = io.BytesIO()
         torch.save(state, buffer)
         buffer.seek(0)
-        kept = torch.load(buffer, weights_only=False)
+        kept = torch.load(buffer, weights_only=False)  # (ShardedTensor: as TorchRec's own state dicts)
     for seed in range(3):  # rows trained and created after the copy
         model(batch(10 + seed + rank)).wait().values().sum().backward()
     assert all_rows(model, False) != want

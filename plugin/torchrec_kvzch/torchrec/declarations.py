@@ -27,16 +27,8 @@ import os
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.modules.embedding_configs import (
-    BaseEmbeddingConfig,
-    CountBasedEvictionPolicy,
-    CountTimestampMixedEvictionPolicy,
-    DataType,
-    EmbeddingBagConfig,
-    FeatureL2NormBasedEvictionPolicy,
-    FeatureScoreBasedEvictionPolicy,
-    NoEvictionPolicy,
-    TimestampBasedEvictionPolicy,
-)
+    BaseEmbeddingConfig, CountBasedEvictionPolicy, CountTimestampMixedEvictionPolicy, DataType, EmbeddingBagConfig,
+    FeatureL2NormBasedEvictionPolicy, FeatureScoreBasedEvictionPolicy, NoEvictionPolicy, TimestampBasedEvictionPolicy)
 
 from torchrec_kvzch.params import (OPTIMIZER_DEFAULTS, DiskStorage, EvictionPolicy, KVZCHTableParams, OptimizerKind,
                                    WeightDecayMode)
@@ -173,9 +165,8 @@ def table_own_fields(sharding_or_constraints) -> dict:
 
 
 def table_fused_params(fused_params: dict | None, sharding_or_constraints) -> dict:
-    """The sharders' fused params with the table's own settings (``table_own_fields``) in place
-    of theirs: checked like them, so that a value our kernel cannot honour is refused whichever
-    declares it."""
+    """The sharders' fused params with the table's own settings (``table_own_fields``) over
+    theirs: checked alike, so that a value our kernel cannot honour is refused either way."""
     return {**(fused_params or {}), **table_own_fields(sharding_or_constraints)}
 
 

@@ -182,8 +182,8 @@ class KVChunk(PartiallyMaterializedTensor):
         memo[id(self)] = rows
         return rows
 
-    def __reduce__(self):
-        return _rows, (self._materialised("pickle"),)
+    def __reduce_ex__(self, protocol):  # (a plain tensor's: weights_only loads take it)
+        return self._materialised("pickle").__reduce_ex__(protocol)
 
     def _materialised(self, what: str) -> torch.Tensor:
         snapshot = self.wrapped.snapshot
@@ -207,11 +207,6 @@ class KVChunk(PartiallyMaterializedTensor):
         else:
             view.set_weights_and_ids(src.reshape(view.shape[0], -1), view.ids)
         return self
-
-
-def _rows(rows: torch.Tensor) -> torch.Tensor:
-    """What an unpickled ``KVChunk`` is: its rows."""
-    return rows
 
 
 def rows_sharded_tensor(view: KVTensor, rows_per_rank: list[int], pg) -> ShardedTensor:

@@ -134,6 +134,11 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
      "tables[0] (t).planner.pooling_factors[0]: expected a positive number, got 0"),
     ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    planner: {sharding_types: row_wise}\n",
      "tables[0] (t).planner.sharding_types: expected a list, got 'row_wise'; write [row_wise]"),
+    ("tables:\n" + GOOD_TABLE.replace("8", "30") + "    kvzch: {total_num_buckets: 16}\n",
+     "tables[0] (t).embedding_dim: 30 is not a multiple of 4, which fbgemm's TBE kernels need"),
+    ("tables:\n" + GOOD_TABLE.replace("8", "6") + "    num_embeddings: 10\n    planner: {sharding_types: [row_wise]}\n",
+     "tables[0] (t).embedding_dim: 6 is not a multiple of 4, which fbgemm's TBE kernels need (KV-ZCH tables', and "
+     "TorchRec's for every table not sharded data_parallel alone); use 8, the next multiple"),
 ])
 def test_bad_configs_name_file_key_and_fix(tmp_path, text, fragment):
     path = tmp_path / "bad.yaml"
@@ -142,6 +147,14 @@ def test_bad_configs_name_file_key_and_fix(tmp_path, text, fragment):
         load_config(path)
     assert str(err.value).startswith(f"{path}: ")
     assert fragment in str(err.value)
+
+
+def test_an_ordinary_table_sharded_data_parallel_alone_may_have_any_dim(tmp_path):
+    """TorchRec's data-parallel tables do not go through fbgemm's TBE, which needs a multiple of 4."""
+    path = tmp_path / "dp.yaml"
+    path.write_text("tables:\n" + GOOD_TABLE.replace("8", "6") + "    num_embeddings: 10\n"
+                    "    planner: {sharding_types: [data_parallel]}\n")
+    assert load_config(path).tables[0].embedding_dim == 6
 
 
 def test_missing_config_file(tmp_path):

@@ -359,8 +359,27 @@ def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
     check_args(parse_args([*fresh, "--crash-drill", "0:6:save", "--resume", "none"]), 2)
     with pytest.raises(UsageError, match=r"--new-id-fraction 2.0: must be in \[0, 1\)"):
         check_args(parse_args(["--config", QUICKSTART, "--new-id-fraction", "2"]), 2)
-    # One line, exit status 2, as argparse's own errors (and a config's).
+    # Numbers out of range (NaN and infinity too), each named with its fix; they failed in the workers
+    for option, value, message in [
+            ("--threads", "-3", "use a positive count, or 0 for the cores"),
+            ("--timeout-s", "0", "use a positive, finite number of seconds"),
+            ("--timeout-s", "inf", "use a positive, finite number of seconds"),
+            ("--population", "0", "use at least 1 id per feature"),
+            ("--zipf-alpha", "1", "use a finite exponent above 1"),
+            ("--zipf-alpha", "nan", "use a finite exponent above 1"),
+            ("--zipf-alpha", "inf", "use a finite exponent above 1"),
+            ("--dense-lr", "-1", "use a finite learning rate >= 0"),
+            ("--dense-lr", "nan", "use a finite learning rate >= 0"),
+            ("--seed", "8388608", r"use a seed in \[0, 8388608\)"),
+            ("--criteo", str(tmp_path / "day_0.tsv"), "no such file .*day_0.tsv; give the paths of Criteo TSV files")]:
+        with pytest.raises(UsageError, match=f"^{option}.*{message}"):
+            check_args(parse_args(["--config", QUICKSTART, option, value]), 2)
+    (tmp_path / "afile").touch()
+    with pytest.raises(UsageError, match="--run-dir .*afile is a file; give a folder"):
+        check_args(parse_args(["--config", QUICKSTART, "--run-dir", str(tmp_path / "afile")]), 2)
+    # One line, exit status 2, as argparse's own errors (and a config's), dry run or not.
     assert main(["--config", QUICKSTART, "--global-batch-size", "100", "--nproc", "3", "--dry-run"]) == 2
+    assert main(["--config", QUICKSTART, "--zipf-alpha", "nan", "--dry-run"]) == 2
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2])

@@ -25,6 +25,7 @@ from torchrec_kvzch.table.hashing import mix64, unit_uniform  # splitmix64: a ch
 DENSE_FEATURES = INT_FEATURE_COUNT  # 13, as in Criteo
 _PROBE_STEP = -1  # the fixed batch that predictions are compared on
 _HELDOUT_STEP = -2  # held-out batch i is step -2 - i: training steps are >= 0
+SEEDS = 2**23  # a seed goes 40 bits up in each draw's int64 key (``_uniform``): 23 bits are left
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:

@@ -292,6 +292,13 @@ def test_synthetic_batches_do_not_depend_on_the_world_size(step, world_size, see
     assert torch.equal(torch.cat([p.labels for p in parts]), whole.labels)
 
 
+@pytest.mark.parametrize("alpha", [1.0, float("nan"), float("inf")])
+def test_synthetic_log_refuses_a_zipf_exponent_it_cannot_draw_from(alpha):
+    """NaN and infinity made every Zipf draw rank 0: a log of one id per feature, silently."""
+    with pytest.raises(ValueError, match=f"zipf_alpha={alpha}, .*need a finite alpha > 1"):
+        SyntheticClickLog(load_config(QUICKSTART), 64, zipf_alpha=alpha)
+
+
 def test_synthetic_log_is_skewed_grows_and_carries_a_signal():
     config = load_config(QUICKSTART)
     log = SyntheticClickLog(config, 4096, population=10_000, new_id_fraction=0.05)

@@ -63,8 +63,9 @@ class SyntheticClickLog:
                  population: int = 100_000, zipf_alpha: float = 1.05, new_id_fraction: float = 0.02) -> None:
         if not 0 <= new_id_fraction < 1:
             raise ValueError(f"new_id_fraction={new_id_fraction}: must be in [0, 1)")
-        if zipf_alpha <= 1 or population < 1:
-            raise ValueError(f"zipf_alpha={zipf_alpha}, population={population}: need alpha > 1 and population >= 1")
+        if not (1 < zipf_alpha < math.inf and population >= 1):  # (NaN fails the comparison, so is refused)
+            raise ValueError(f"zipf_alpha={zipf_alpha}, population={population}: need a finite alpha > 1 and "
+                             "population >= 1")
         self.features = [f for t in config.tables for f in t.features]
         self.id_space = torch.tensor([t.num_embeddings for t in config.tables for _ in t.features])
         self.global_batch_size, self.seed = global_batch_size, seed

@@ -139,6 +139,13 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
     ("tables:\n" + GOOD_TABLE.replace("8", "6") + "    num_embeddings: 10\n    planner: {sharding_types: [row_wise]}\n",
      "tables[0] (t).embedding_dim: 6 is not a multiple of 4, which fbgemm's TBE kernels need (KV-ZCH tables', and "
      "TorchRec's for every table not sharded data_parallel alone); use 8, the next multiple"),
+    ("tables:\n" + GOOD_TABLE.replace("name: t", "name: keys") + "    num_embeddings: 10\n",
+     "tables[0] (keys).name: 'keys' is already an attribute of nn.ModuleDict; rename the table (TorchRec keeps a "
+     "collection's tables in an nn.ModuleDict, keyed by name)"),
+    ("tables:\n" + GOOD_TABLE.replace("name: t", "name: training") + "    kvzch: {total_num_buckets: 16}\n",
+     "tables[0] (training).name: 'training' is already an attribute of nn.ModuleDict; rename the table"),
+    ("tables:\n" + GOOD_TABLE.replace("name: t", "name: user.v2") + "    num_embeddings: 10\n",
+     "tables[0] (user.v2).name: 'user.v2' contains '.', which a module's name may not; rename the table"),
 ])
 def test_bad_configs_name_file_key_and_fix(tmp_path, text, fragment):
     path = tmp_path / "bad.yaml"

@@ -43,6 +43,7 @@ from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
+from torchrec_kvzch.params.checks import RENAME_TABLE, module_key_problem
 from torchrec_kvzch.params.table import MAX_NUM_EMBEDDINGS
 from torchrec_kvzch.params import (
     OPTIMIZER_DEFAULTS,
@@ -276,6 +277,8 @@ class _Parser:
         name = t["name"]
         if not isinstance(name, str) or not name.strip():
             self.fail(f"{where}.name", f"expected a non-empty string (quote one YAML reads otherwise), got {name!r}")
+        if module_key_problem(name):
+            self.fail(f"{where}.name", f"{module_key_problem(name)}; {RENAME_TABLE}")
         features = t["features"]
         if not isinstance(features, list) or not features or not all(isinstance(f, str) for f in features):
             self.fail(f"{where}.features", f"expected a non-empty list of feature names, got {features!r}")

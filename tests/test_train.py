@@ -229,6 +229,28 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
     assert "another rank died or stalled" in errors[0] and "Complete checkpoints: [2]" in errors[0], errors[0][-3000:]
 
 
+def test_a_second_job_on_a_run_dir_in_use_is_refused_before_it_writes_anything(tmp_path):
+    """Two jobs on one run dir mixed their checkpoints, metrics and failure records (and one of
+    them died in a save). The lock is the OS's: a holder killed by SIGKILL leaves none behind."""
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from torchrec_kvzch.job.train import run_dir_lock\n"
+                               f"with run_dir_lock(__import__('pathlib').Path({str(run)!r})):\n"
+                               "    print('held', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        done, _ = train(run, "--steps", 2, nproc=1, check=False)
+        assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+            f"error: --run-dir {run} is in use by pid {holder.pid} on {socket.gethostname()}, a job training there; "
+            "wait for it to end, or give this run another --run-dir")
+        assert [p.name for p in run.iterdir()] == ["LOCK"]
+    finally:
+        holder.kill()
+        holder.wait()
+    _, summary = train(run, "--steps", 2, "--eval-every", 0, nproc=1)
+    assert summary["end_step"] == 2
+
+
 def write_criteo_tsv(path, rows, seed=0):
     rng = random.Random(seed)
     pools = [[format(rng.getrandbits(32), "08x") for _ in range(rng.randint(3, 60))] for _ in range(26)]

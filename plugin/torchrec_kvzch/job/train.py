@@ -21,15 +21,18 @@ traceback is kept in ``<run-dir>/failures/``.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import sys
+import time
 import traceback
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -78,6 +81,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         return dry_run(args, world_size) if int(os.environ.get("RANK", 0)) == 0 else 0
+    # One job per run dir, locked by the job's one entry point: our launcher, or under torchrun
+    # (a process per rank, on every node) rank 0 alone, which lives as long as the run.
+    try:
+        with run_dir_lock(args.run_dir) if int(os.environ.get("RANK", 0)) == 0 else nullcontext():
+            return launch(args, under_torchrun)
+    except RunDirBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def launch(args: argparse.Namespace, under_torchrun: bool) -> int:
+    """Train: this process is the rank (under torchrun), or it launches ``--nproc`` of them."""
     args.run_dir.mkdir(parents=True, exist_ok=True)
     args.own_launcher = not under_torchrun
     if args.own_launcher:  # (the failures of an earlier launch, perhaps of more ranks)
@@ -96,6 +111,35 @@ def main(argv: list[str] | None = None) -> int:
         print(failure_report(args.run_dir, e), file=sys.stderr)
         return 1
     return 0
+
+
+class RunDirBusy(RuntimeError):
+    """Another job holds the run dir: its checkpoints, metrics and failures would mix with ours."""
+
+
+@contextmanager
+def run_dir_lock(run_dir: Path):
+    """Hold ``<run-dir>/LOCK`` (``flock``) while the run lasts; a second job on the run dir is
+    refused, naming the holder, before it writes anything. The OS lets go of the lock when the
+    holder ends, however it ends, so a crash leaves nothing to clean up."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "LOCK", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = ""
+            for _ in range(20):  # (a holder that has just taken the lock writes its name next)
+                lock.seek(0)
+                holder = lock.read().strip()
+                if holder:
+                    break
+                time.sleep(0.05)
+            raise RunDirBusy(f"--run-dir {run_dir} is in use by {holder or 'another process'}, a job training "
+                             "there; wait for it to end, or give this run another --run-dir") from None
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        lock.flush()
+        yield
 
 
 def dry_run(args: argparse.Namespace, world_size: int) -> int:

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -249,6 +250,27 @@ def test_a_second_job_on_a_run_dir_in_use_is_refused_before_it_writes_anything(t
         holder.wait()
     _, summary = train(run, "--steps", 2, "--eval-every", 0, nproc=1)
     assert summary["end_step"] == 2
+
+
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_run_says_where_to_resume_from_in_one_line(tmp_path, sig, to_group):
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the launcher: one line with
+    the checkpoints and the advice, the shell's status for the signal, no launcher traceback."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torchrec_kvzch.job.train", *SMALL, "--nproc", "1", "--steps", "100000",
+           "--checkpoint-every", "2", "--eval-every", "0", "--run-dir", str(run)]
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoints" / "step-00000004" / ".metadata").is_file():
+        assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()[-3000:]
+        time.sleep(0.2)
+    os.killpg(job.pid, sig) if to_group else job.send_signal(sig)
+    err = job.communicate(timeout=120)[1]
+    assert job.returncode == 128 + sig, err[-3000:]
+    steps = [int(p.name[5:]) for p in sorted((run / "checkpoints").iterdir()) if (p / ".metadata").is_file()]
+    assert err.rstrip().splitlines()[-1] == (f"interrupted ({sig.name}); complete checkpoints: {steps} under "
+                                             f"{run / 'checkpoints'}; rerun the same command to resume from the latest")
+    assert "Traceback" not in err and "leaked" not in err and "SignalException" not in err, err[-3000:]
 
 
 def write_criteo_tsv(path, rows, seed=0):

@@ -29,6 +29,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -36,9 +37,12 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from tqdm import tqdm
 
+from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.job.cli import check_args, job_config, parse_args
 from torchrec_kvzch.job.model import dlrm, plan_model
 from torchrec_kvzch.job.trainer import PeerLost, Trainer
@@ -56,11 +60,17 @@ def _worker(args: argparse.Namespace) -> dict:
     launcher's report) and the rank exits with status 1; under torchrun, which reports in its
     own way, the rank also prints its error as one line."""
     quiet()
+    # tqdm's default lock is a multiprocessing semaphore, which a rank killed by a signal leaks:
+    # the resource tracker then warns after our report. One rank draws, so a thread lock will do.
+    tqdm.set_lock(threading.RLock())
     rank = int(os.environ.get("RANK", 0))
     record = args.run_dir / "failures" / f"rank-{rank}.json"
     record.unlink(missing_ok=True)
     try:
         return Trainer(args).run()
+    except KeyboardInterrupt:  # Ctrl-C reaches every process, then our launcher passes it on:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one broke the exit with a traceback
+        raise
     except Exception as e:
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps({"rank": rank, "crash": isinstance(e, PeerLost),
@@ -89,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     except RunDirBusy as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (SignalException, KeyboardInterrupt) as e:  # Ctrl-C, or SIGTERM to our launcher
+        # (on a line of its own: a killed rank 0 leaves its progress bar without one)
+        signum = e.sigval if isinstance(e, SignalException) else signal.SIGINT
+        if int(os.environ.get("RANK", 0)) == 0:  # (under torchrun, every rank gets it)
+            print(f"\ninterrupted ({signal.Signals(signum).name}); {resume_advice(args.run_dir)}", file=sys.stderr)
+        return 128 + signum  # as a shell reports a process its signal ended
 
 
 def launch(args: argparse.Namespace, under_torchrun: bool) -> int:
@@ -169,6 +185,15 @@ def failure_report(run_dir: Path, e: ChildFailedError) -> str:
     lost = [r["error"] for r in records]
     return (f"training failed ({died}){': ' + lost[0] if lost else ''}. Complete checkpoints stay under "
             f"{run_dir / 'checkpoints'}; rerun the same command to resume from the latest.")
+
+
+def resume_advice(run_dir: Path) -> str:
+    """What a rerun of the same command does after a crash or an interruption."""
+    root = run_dir / "checkpoints"
+    steps = CheckpointManager(root).steps()
+    if not steps:
+        return f"no complete checkpoint under {root} yet: a rerun of the same command starts afresh"
+    return f"complete checkpoints: {steps} under {root}; rerun the same command to resume from the latest"
 
 
 def _describe(failure) -> str:

@@ -211,8 +211,11 @@ def _free_port():
 
 def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
     # Under the job's own launcher: the launcher stops the survivors and names the dead rank.
-    done, _ = train(tmp_path / "launched", "--steps", 20, "--crash-drill", "1:3", check=False)
-    assert done.returncode == 1 and "rank 1: killed by SIGKILL" in done.stderr
+    done, _ = train(tmp_path / "launched", "--steps", 20, "--checkpoint-every", 2, "--crash-drill", "1:3", check=False)
+    assert done.returncode == 1 and done.stderr.rstrip().splitlines()[-1] == (
+        f"training failed (rank 1: killed by SIGKILL); complete checkpoints: [2] under {tmp_path / 'launched' / 'checkpoints'}; "
+        "rerun the same command to resume from the latest."), done.stderr[-3000:]
+    assert done.stderr.count("rerun") == 1 and "Terminating process" not in done.stderr  # (said once, and only by us)
     # Ranks started separately (as on two machines), with no launcher to stop them: the
     # survivor's collective fails and it exits on its own, naming the cause and the checkpoints.
     port = _free_port()
@@ -271,6 +274,19 @@ def test_an_interrupted_run_says_where_to_resume_from_in_one_line(tmp_path, sig,
     assert err.rstrip().splitlines()[-1] == (f"interrupted ({sig.name}); complete checkpoints: {steps} under "
                                              f"{run / 'checkpoints'}; rerun the same command to resume from the latest")
     assert "Traceback" not in err and "leaked" not in err and "SignalException" not in err, err[-3000:]
+
+
+def test_a_stalled_rank_is_reported_by_the_survivors_message_alone(tmp_path):
+    """No rank killed: a survivor's failed collective says why, and where to resume from, once."""
+    from types import SimpleNamespace
+
+    from torchrec_kvzch.job.train import failure_report
+    lost = "PeerLost: rank 1: a collective failed at step 5 (...); another rank died or stalled. Complete " \
+           "checkpoints: [4] under run/checkpoints; rerun the same command to resume from the latest."
+    (tmp_path / "failures").mkdir()
+    (tmp_path / "failures" / "rank-1.json").write_text(json.dumps({"rank": 1, "crash": True, "error": lost}))
+    failed = SimpleNamespace(failures={1: SimpleNamespace(exitcode=1)})
+    assert failure_report(tmp_path, failed) == f"training failed (rank 1: exit code 1): {lost}"
 
 
 def write_criteo_tsv(path, rows, seed=0):

@@ -182,9 +182,11 @@ def failure_report(run_dir: Path, e: ChildFailedError) -> str:
                          f"{', '.join(map(str, ranks))}: {error}" for error, ranks in errors.items()) + \
             f"\n(tracebacks in {run_dir / 'failures'})"
     died = "; ".join(f"rank {r}: {_describe(f)}" for r, f in sorted(e.failures.items()))
-    lost = [r["error"] for r in records]
-    return (f"training failed ({died}){': ' + lost[0] if lost else ''}. Complete checkpoints stay under "
-            f"{run_dir / 'checkpoints'}; rerun the same command to resume from the latest.")
+    killed = any(f.exitcode is not None and f.exitcode < 0 for f in e.failures.values())
+    lost = [r["error"] for r in records]  # (PeerLost: a collective failed, and where to resume from)
+    if lost and not killed:  # no rank was killed (one stalled): the survivor's message says why
+        return f"training failed ({died}): {lost[0]}"
+    return f"training failed ({died}); {resume_advice(run_dir)}."
 
 
 def resume_advice(run_dir: Path) -> str:
@@ -205,7 +207,7 @@ def _describe(failure) -> str:
 @contextmanager
 def _launcher_quiet():
     loggers = [logging.getLogger(n) for n in list(logging.Logger.manager.loggerDict)
-               if n.startswith("torch.distributed.elastic")]
+               if n.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)

@@ -328,6 +328,24 @@ def test_criteo_tsv_gives_every_hash_its_own_row(tmp_path):
     assert again["resumed_from"] == 4
 
 
+def test_a_malformed_criteo_line_is_named_by_file_line_and_fix(tmp_path):
+    """TorchRec's converter raised a bare IndexError (or ValueError) from inside a datapipe."""
+    (tmp_path / "criteo.yaml").write_text(CRITEO_CONFIG)
+    tsv = tmp_path / "day_0.tsv"
+    write_criteo_tsv(tsv, 1200)
+    lines = tsv.read_text().splitlines(keepends=True)
+    fix = "; a Criteo line has 40 tab-separated columns (a label, 13 integers, 26 hexadecimal ids, any of them " \
+          "empty); fix or drop the line"
+    # past the lines checked before launch: named when the conversion fails on it
+    tsv.write_text("".join(lines[:1100] + ["1\t2\n"] + lines[1101:]))
+    with pytest.raises(ValueError, match=re.escape(f"{tsv}: line 1101: 2 tab-separated columns{fix}")):
+        CriteoClickLog(load_config(tmp_path / "criteo.yaml"), [str(tsv)], tmp_path / "cache", 64)
+    # among the first lines: refused before anything starts
+    tsv.write_text("".join(lines[:3] + ["1\tx" + lines[3][lines[3].index("\t", 2):]] + lines[4:]))
+    with pytest.raises(UsageError, match=re.escape(f"{tsv}: line 4: column 2 holds 'x', not a number{fix}")):
+        check_args(parse_args(["--config", str(tmp_path / "criteo.yaml"), "--criteo", str(tsv)]), 2)
+
+
 def test_criteo_refuses_features_it_does_not_have(tmp_path):
     tsv = tmp_path / "day_0.tsv"
     write_criteo_tsv(tsv, 10)

@@ -14,7 +14,7 @@ import torch
 
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.job import config_path
-from torchrec_kvzch.job.data import SEEDS
+from torchrec_kvzch.job.data import CRITEO_HEAD_LINES, SEEDS, criteo_line_problem
 from torchrec_kvzch.params import AdmissionPolicy
 from torchrec_kvzch.torchrec.config import ShardingConfig, load_config
 
@@ -123,6 +123,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     missing = [p for p in args.criteo or () if not Path(p).is_file()]
     if missing:
         raise UsageError(f"--criteo: no such file {', '.join(missing)}; give the paths of Criteo TSV files")
+    for tsv in args.criteo or ():  # (the first lines only: a whole day of Criteo is many GB)
+        if problem := criteo_line_problem(Path(tsv), CRITEO_HEAD_LINES):
+            raise UsageError(problem)
     if args.run_dir.exists() and not args.run_dir.is_dir():
         raise UsageError(f"--run-dir {args.run_dir} is a file; give a folder (it holds the run's checkpoints)")
     args.device = job_device(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))

@@ -9,7 +9,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec_kvzch.torchrec.config import ConfigError, load_config
 from torchrec_kvzch.torchrec import KVZCH_KERNEL, KVZCHParameterSharding
 
-from torchrec_kvzch.job import SHIPPED_CONFIGS as CONFIGS
+from torchrec_kvzch.job import SHIPPED_CONFIGS as CONFIGS, config_path
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
@@ -52,6 +52,31 @@ def test_the_shipped_configs_are_the_top_level_ones_and_an_installed_package_car
                            env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert found.returncode == 0, found.stderr[-3000:]
     assert Path(found.stdout.strip()) == packaged / "quickstart.yaml"
+
+
+def test_a_shipped_configs_name_mistyped_gets_the_close_ones_and_every_list_is_the_folders(capsys):
+    """Names come from configs/*.yaml alone: the error, --help and docs/job.md list them all."""
+    import re
+    from pathlib import Path
+
+    from torchrec_kvzch.job import shipped_config_names
+    from torchrec_kvzch.job.cli import parse_args
+    from torchrec_kvzch.job.train import main
+
+    names = shipped_config_names()
+    assert names == sorted(p.stem for p in CONFIGS.glob("*.yaml")) and {"quickstart", "disk"} <= set(names)
+    assert main(["--config", "quickstrat", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: quickstrat: no such sharding config; did you mean 'quickstart'? shipped: {', '.join(names)}; or "
+        "give the path of a YAML file"]
+    with pytest.raises(ConfigError, match=f"^xyzzy: no such sharding config; shipped: {', '.join(names)}; or give"):
+        config_path("xyzzy")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert f"({', '.join(names)})" in " ".join(capsys.readouterr().out.split())
+    job_md = (Path(__file__).resolve().parents[1] / "docs" / "job.md").read_text()
+    listed = job_md[job_md.index("### Shipped configs"):job_md.index("## Data")]
+    assert re.findall(r"^- `(\w+)`:", listed, re.M) == names
 
 
 def test_quickstart_declares_two_kvzch_tables_and_one_ordinary():

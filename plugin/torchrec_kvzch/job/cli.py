@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
-from torchrec_kvzch.job import config_path
+from torchrec_kvzch.job import config_path, shipped_config_names
 from torchrec_kvzch.job.data import CRITEO_HEAD_LINES, SEEDS, criteo_line_problem
 from torchrec_kvzch.params import AdmissionPolicy
 from torchrec_kvzch.torchrec.config import ShardingConfig, load_config
@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="torchrec-kvzch-train", description=DESCRIPTION,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default="quickstart",
-                   help="sharding config: a YAML path, or the name of a shipped one (quickstart, criteo, eviction, large)")
+                   help=f"sharding config: a YAML path, or the name of a shipped one ({', '.join(shipped_config_names())})")
     p.add_argument("--nproc", type=int, default=2, help="processes to launch (ignored under torchrun)")
     p.add_argument("--steps", type=int, default=300, help="train until this global step")
     p.add_argument("--global-batch-size", type=int, default=4096, help="examples per step over all ranks")

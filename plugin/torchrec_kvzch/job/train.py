@@ -81,10 +81,10 @@ def _worker(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
     try:
+        args = parse_args(argv)  # (a --config name that names no shipped config is refused here)
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
         check_args(args, world_size)
     except (ValueError, FileNotFoundError) as e:  # a config that cannot be used: its message says why
         print(f"error: {e}", file=sys.stderr)

@@ -9,7 +9,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec_kvzch.torchrec.config import ConfigError, load_config
 from torchrec_kvzch.torchrec import KVZCH_KERNEL, KVZCHParameterSharding
 
-from torchrec_kvzch.job import SHIPPED_CONFIGS as CONFIGS
+from torchrec_kvzch.job import SHIPPED_CONFIGS as CONFIGS, config_path
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
@@ -52,6 +52,31 @@ def test_the_shipped_configs_are_the_top_level_ones_and_an_installed_package_car
                            env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert found.returncode == 0, found.stderr[-3000:]
     assert Path(found.stdout.strip()) == packaged / "quickstart.yaml"
+
+
+def test_a_shipped_configs_name_mistyped_gets_the_close_ones_and_every_list_is_the_folders(capsys):
+    """Names come from configs/*.yaml alone: the error, --help and docs/job.md list them all."""
+    import re
+    from pathlib import Path
+
+    from torchrec_kvzch.job import shipped_config_names
+    from torchrec_kvzch.job.cli import parse_args
+    from torchrec_kvzch.job.train import main
+
+    names = shipped_config_names()
+    assert names == sorted(p.stem for p in CONFIGS.glob("*.yaml")) and {"quickstart", "disk"} <= set(names)
+    assert main(["--config", "quickstrat", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: quickstrat: no such sharding config; did you mean 'quickstart'? shipped: {', '.join(names)}; or "
+        "give the path of a YAML file"]
+    with pytest.raises(ConfigError, match=f"^xyzzy: no such sharding config; shipped: {', '.join(names)}; or give"):
+        config_path("xyzzy")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert f"({', '.join(names)})" in " ".join(capsys.readouterr().out.split())
+    job_md = (Path(__file__).resolve().parents[1] / "docs" / "job.md").read_text()
+    listed = job_md[job_md.index("### Shipped configs"):job_md.index("## Data")]
+    assert re.findall(r"^- `(\w+)`:", listed, re.M) == names
 
 
 def test_quickstart_declares_two_kvzch_tables_and_one_ordinary():
@@ -134,6 +159,18 @@ GOOD_TABLE = "  - name: t\n    embedding_dim: 8\n    features: [f]\n"
      "tables[0] (t).planner.pooling_factors[0]: expected a positive number, got 0"),
     ("tables:\n" + GOOD_TABLE + "    num_embeddings: 10\n    planner: {sharding_types: row_wise}\n",
      "tables[0] (t).planner.sharding_types: expected a list, got 'row_wise'; write [row_wise]"),
+    ("tables:\n" + GOOD_TABLE.replace("8", "30") + "    kvzch: {total_num_buckets: 16}\n",
+     "tables[0] (t).embedding_dim: 30 is not a multiple of 4, which fbgemm's TBE kernels need"),
+    ("tables:\n" + GOOD_TABLE.replace("8", "6") + "    num_embeddings: 10\n    planner: {sharding_types: [row_wise]}\n",
+     "tables[0] (t).embedding_dim: 6 is not a multiple of 4, which fbgemm's TBE kernels need (KV-ZCH tables', and "
+     "TorchRec's for every table not sharded data_parallel alone); use 8, the next multiple"),
+    ("tables:\n" + GOOD_TABLE.replace("name: t", "name: keys") + "    num_embeddings: 10\n",
+     "tables[0] (keys).name: 'keys' is already an attribute of nn.ModuleDict; rename the table (TorchRec keeps a "
+     "collection's tables in an nn.ModuleDict, keyed by name)"),
+    ("tables:\n" + GOOD_TABLE.replace("name: t", "name: training") + "    kvzch: {total_num_buckets: 16}\n",
+     "tables[0] (training).name: 'training' is already an attribute of nn.ModuleDict; rename the table"),
+    ("tables:\n" + GOOD_TABLE.replace("name: t", "name: user.v2") + "    num_embeddings: 10\n",
+     "tables[0] (user.v2).name: 'user.v2' contains '.', which a module's name may not; rename the table"),
 ])
 def test_bad_configs_name_file_key_and_fix(tmp_path, text, fragment):
     path = tmp_path / "bad.yaml"
@@ -142,6 +179,14 @@ def test_bad_configs_name_file_key_and_fix(tmp_path, text, fragment):
         load_config(path)
     assert str(err.value).startswith(f"{path}: ")
     assert fragment in str(err.value)
+
+
+def test_an_ordinary_table_sharded_data_parallel_alone_may_have_any_dim(tmp_path):
+    """TorchRec's data-parallel tables do not go through fbgemm's TBE, which needs a multiple of 4."""
+    path = tmp_path / "dp.yaml"
+    path.write_text("tables:\n" + GOOD_TABLE.replace("8", "6") + "    num_embeddings: 10\n"
+                    "    planner: {sharding_types: [data_parallel]}\n")
+    assert load_config(path).tables[0].embedding_dim == 6
 
 
 def test_missing_config_file(tmp_path):

@@ -62,6 +62,21 @@ def test_validation_errors_name_table_field_and_fix(kw, fragment):
         assert "KV-ZCH table 't'" in str(err.value)
 
 
+@pytest.mark.parametrize("name", ["items", "keys", "values", "update", "pop", "training", "forward", "cuda",
+                                  "_modules", "user.v2", "user", "item", "Items", "forward_"])
+def test_a_table_name_is_refused_exactly_where_torchrecs_module_dict_refuses_it(name):
+    """TorchRec keeps a collection's tables in an nn.ModuleDict; a name it refuses failed only
+    when the collection was built, as a KeyError that named no fix."""
+    import torch
+    try:
+        torch.nn.ModuleDict({name: torch.nn.Identity()})
+    except KeyError:
+        with pytest.raises(ValueError, match=f"KV-ZCH table '{name}': name '{name}' .*; fix: rename the table"):
+            make(name=name)
+    else:
+        assert make(name=name).name == name
+
+
 def test_validation_holds_under_python_O():
     # Real exceptions, not asserts: `python -O` strips asserts (fbgemm's validate() relies on them).
     code = ("from torchrec_kvzch import KVZCHTableParams as P\n"

@@ -49,6 +49,10 @@ def test_the_old_job_entry_point_still_runs():
                           "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "--config" in run.stdout
     assert "torchrec_kvzch.train is deprecated" in run.stderr
+    # ... and exits with the job's status: 2 for a refused command line, as the new path does
+    refused = subprocess.run([sys.executable, "-m", "torchrec_kvzch.train", "--nproc", "0"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "error: --nproc 0" in refused.stderr
 
 
 def test_the_version_is_the_installed_one_and_the_changelog_names_it():

@@ -3,6 +3,7 @@ scores the fixed batch as the trained model did, follows a delta saved while it 
 refuses bad requests naming the example and field."""
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -114,3 +115,44 @@ def test_the_jobs_served_dlrm_exports_and_predicts_the_same(server):
     with torch.no_grad():
         want_one = model(dense[:1], one)
     assert torch.equal(program(dense[:1], one.values(), one.lengths()), want_one)
+
+
+def test_a_bad_command_line_is_one_line_naming_the_fix(server, tmp_path, capsys, monkeypatch):
+    """Exit status 2 and one line, before anything is built; a wrong --checkpoints said that the
+    config was unknown, the others were tracebacks, and --poll-s 0 polled in a busy loop."""
+    import torch
+
+    from torchrec_kvzch.job.serve import main
+    run = server[0]
+    good = ["--checkpoints", str(run / "checkpoints")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cases = [
+        (["--checkpoints", str(tmp_path / "nosuch")], f"--checkpoints: no checkpoints under {tmp_path / 'nosuch'} "
+         "(no such folder); pass the checkpoints folder of a run that has saved one (<run-dir>/checkpoints)"),
+        (["--checkpoints", str(tmp_path)], f"--checkpoints: no checkpoints under {tmp_path}; pass the checkpoints "
+         "folder of a run that has saved one (<run-dir>/checkpoints)"),
+        (["--checkpoints", str(run)], f"--checkpoints {run} is a run folder; pass {run / 'checkpoints'}"),
+        ([*good, "--config", "quickstrat"], "quickstrat: no such sharding config"),
+        ([*good, "--device", "cuda"], "--device cuda: torch sees no CUDA device here; use --device cpu"),
+        ([*good, "--port", "-1"], "--port -1: use a port in [0, 65535] (0: any free one)"),
+        ([*good, "--poll-s", "0"], "--poll-s 0.0: use a positive, finite number of seconds"),
+        ([*good, "--poll-s", "nan"], "--poll-s nan: use a positive, finite number of seconds"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {message}"), argv
+    with socket.socket() as busy:  # (a port in use: found once the model is built)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main([*good, "--port", str(port)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --port {port}: cannot listen on 127.0.0.1 (Address already in use); use another port, or 0 for "
+        "any free one")
+
+
+def test_a_follower_refuses_to_poll_in_a_busy_loop(tmp_path):
+    from torchrec_kvzch.serving.follower import Follower
+    for poll_s in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match=f"poll_s={poll_s}; poll every positive, finite number of seconds"):
+            Follower(lambda: pytest.fail("built before the check"), tmp_path, poll_s=poll_s)

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -226,8 +227,11 @@ def _free_port():
 
 def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
     # Under the job's own launcher: the launcher stops the survivors and names the dead rank.
-    done, _ = train(tmp_path / "launched", "--steps", 20, "--crash-drill", "1:3", check=False)
-    assert done.returncode == 1 and "rank 1: killed by SIGKILL" in done.stderr
+    done, _ = train(tmp_path / "launched", "--steps", 20, "--checkpoint-every", 2, "--crash-drill", "1:3", check=False)
+    assert done.returncode == 1 and done.stderr.rstrip().splitlines()[-1] == (
+        f"training failed (rank 1: killed by SIGKILL); complete checkpoints: [2] under {tmp_path / 'launched' / 'checkpoints'}; "
+        "rerun the same command to resume from the latest."), done.stderr[-3000:]
+    assert done.stderr.count("rerun") == 1 and "Terminating process" not in done.stderr  # (said once, and only by us)
     # Ranks started separately (as on two machines), with no launcher to stop them: the
     # survivor's collective fails and it exits on its own, naming the cause and the checkpoints.
     port = _free_port()
@@ -243,6 +247,62 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
     assert time.monotonic() - t0 < 150
     assert procs[1].returncode == -9 and procs[0].returncode != 0
     assert "another rank died or stalled" in errors[0] and "Complete checkpoints: [2]" in errors[0], errors[0][-3000:]
+
+
+def test_a_second_job_on_a_run_dir_in_use_is_refused_before_it_writes_anything(tmp_path):
+    """Two jobs on one run dir mixed their checkpoints, metrics and failure records (and one of
+    them died in a save). The lock is the OS's: a holder killed by SIGKILL leaves none behind."""
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from torchrec_kvzch.job.train import run_dir_lock\n"
+                               f"with run_dir_lock(__import__('pathlib').Path({str(run)!r})):\n"
+                               "    print('held', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        done, _ = train(run, "--steps", 2, nproc=1, check=False)
+        assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+            f"error: --run-dir {run} is in use by pid {holder.pid} on {socket.gethostname()}, a job training there; "
+            "wait for it to end, or give this run another --run-dir")
+        assert [p.name for p in run.iterdir()] == ["LOCK"]
+    finally:
+        holder.kill()
+        holder.wait()
+    _, summary = train(run, "--steps", 2, "--eval-every", 0, nproc=1)
+    assert summary["end_step"] == 2
+
+
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_run_says_where_to_resume_from_in_one_line(tmp_path, sig, to_group):
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the launcher: one line with
+    the checkpoints and the advice, the shell's status for the signal, no launcher traceback."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torchrec_kvzch.job.train", *SMALL, "--nproc", "1", "--steps", "100000",
+           "--checkpoint-every", "2", "--eval-every", "0", "--run-dir", str(run)]
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoints" / "step-00000004" / ".metadata").is_file():
+        assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()[-3000:]
+        time.sleep(0.2)
+    os.killpg(job.pid, sig) if to_group else job.send_signal(sig)
+    err = job.communicate(timeout=120)[1]
+    assert job.returncode == 128 + sig, err[-3000:]
+    steps = [int(p.name[5:]) for p in sorted((run / "checkpoints").iterdir()) if (p / ".metadata").is_file()]
+    assert err.rstrip().splitlines()[-1] == (f"interrupted ({sig.name}); complete checkpoints: {steps} under "
+                                             f"{run / 'checkpoints'}; rerun the same command to resume from the latest")
+    assert "Traceback" not in err and "leaked" not in err and "SignalException" not in err, err[-3000:]
+
+
+def test_a_stalled_rank_is_reported_by_the_survivors_message_alone(tmp_path):
+    """No rank killed: a survivor's failed collective says why, and where to resume from, once."""
+    from types import SimpleNamespace
+
+    from torchrec_kvzch.job.train import failure_report
+    lost = "PeerLost: rank 1: a collective failed at step 5 (...); another rank died or stalled. Complete " \
+           "checkpoints: [4] under run/checkpoints; rerun the same command to resume from the latest."
+    (tmp_path / "failures").mkdir()
+    (tmp_path / "failures" / "rank-1.json").write_text(json.dumps({"rank": 1, "crash": True, "error": lost}))
+    failed = SimpleNamespace(failures={1: SimpleNamespace(exitcode=1)})
+    assert failure_report(tmp_path, failed) == f"training failed (rank 1: exit code 1): {lost}"
 
 
 def write_criteo_tsv(path, rows, seed=0):
@@ -284,6 +344,24 @@ def test_criteo_tsv_gives_every_hash_its_own_row(tmp_path):
     assert again["resumed_from"] == 4
 
 
+def test_a_malformed_criteo_line_is_named_by_file_line_and_fix(tmp_path):
+    """TorchRec's converter raised a bare IndexError (or ValueError) from inside a datapipe."""
+    (tmp_path / "criteo.yaml").write_text(CRITEO_CONFIG)
+    tsv = tmp_path / "day_0.tsv"
+    write_criteo_tsv(tsv, 1200)
+    lines = tsv.read_text().splitlines(keepends=True)
+    fix = "; a Criteo line has 40 tab-separated columns (a label, 13 integers, 26 hexadecimal ids, any of them " \
+          "empty); fix or drop the line"
+    # past the lines checked before launch: named when the conversion fails on it
+    tsv.write_text("".join(lines[:1100] + ["1\t2\n"] + lines[1101:]))
+    with pytest.raises(ValueError, match=re.escape(f"{tsv}: line 1101: 2 tab-separated columns{fix}")):
+        CriteoClickLog(load_config(tmp_path / "criteo.yaml"), [str(tsv)], tmp_path / "cache", 64)
+    # among the first lines: refused before anything starts
+    tsv.write_text("".join(lines[:3] + ["1\tx" + lines[3][lines[3].index("\t", 2):]] + lines[4:]))
+    with pytest.raises(UsageError, match=re.escape(f"{tsv}: line 4: column 2 holds 'x', not a number{fix}")):
+        check_args(parse_args(["--config", str(tmp_path / "criteo.yaml"), "--criteo", str(tsv)]), 2)
+
+
 def test_criteo_refuses_features_it_does_not_have(tmp_path):
     tsv = tmp_path / "day_0.tsv"
     write_criteo_tsv(tsv, 10)
@@ -306,6 +384,13 @@ def test_synthetic_batches_do_not_depend_on_the_world_size(step, world_size, see
         assert torch.equal(joined, whole.sparse_features[key].values())
     assert torch.equal(torch.cat([p.dense_features for p in parts]), whole.dense_features)
     assert torch.equal(torch.cat([p.labels for p in parts]), whole.labels)
+
+
+@pytest.mark.parametrize("alpha", [1.0, float("nan"), float("inf")])
+def test_synthetic_log_refuses_a_zipf_exponent_it_cannot_draw_from(alpha):
+    """NaN and infinity made every Zipf draw rank 0: a log of one id per feature, silently."""
+    with pytest.raises(ValueError, match=f"zipf_alpha={alpha}, .*need a finite alpha > 1"):
+        SyntheticClickLog(load_config(QUICKSTART), 64, zipf_alpha=alpha)
 
 
 def test_synthetic_log_is_skewed_grows_and_carries_a_signal():
@@ -375,8 +460,27 @@ def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
     check_args(parse_args([*fresh, "--crash-drill", "0:6:save", "--resume", "none"]), 2)
     with pytest.raises(UsageError, match=r"--new-id-fraction 2.0: must be in \[0, 1\)"):
         check_args(parse_args(["--config", QUICKSTART, "--new-id-fraction", "2"]), 2)
-    # One line, exit status 2, as argparse's own errors (and a config's).
+    # Numbers out of range (NaN and infinity too), each named with its fix; they failed in the workers
+    for option, value, message in [
+            ("--threads", "-3", "use a positive count, or 0 for the cores"),
+            ("--timeout-s", "0", "use a positive, finite number of seconds"),
+            ("--timeout-s", "inf", "use a positive, finite number of seconds"),
+            ("--population", "0", "use at least 1 id per feature"),
+            ("--zipf-alpha", "1", "use a finite exponent above 1"),
+            ("--zipf-alpha", "nan", "use a finite exponent above 1"),
+            ("--zipf-alpha", "inf", "use a finite exponent above 1"),
+            ("--dense-lr", "-1", "use a finite learning rate >= 0"),
+            ("--dense-lr", "nan", "use a finite learning rate >= 0"),
+            ("--seed", "8388608", r"use a seed in \[0, 8388608\)"),
+            ("--criteo", str(tmp_path / "day_0.tsv"), "no such file .*day_0.tsv; give the paths of Criteo TSV files")]:
+        with pytest.raises(UsageError, match=f"^{option}.*{message}"):
+            check_args(parse_args(["--config", QUICKSTART, option, value]), 2)
+    (tmp_path / "afile").touch()
+    with pytest.raises(UsageError, match="--run-dir .*afile is a file; give a folder"):
+        check_args(parse_args(["--config", QUICKSTART, "--run-dir", str(tmp_path / "afile")]), 2)
+    # One line, exit status 2, as argparse's own errors (and a config's), dry run or not.
     assert main(["--config", QUICKSTART, "--global-batch-size", "100", "--nproc", "3", "--dry-run"]) == 2
+    assert main(["--config", QUICKSTART, "--zipf-alpha", "nan", "--dry-run"]) == 2
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2])

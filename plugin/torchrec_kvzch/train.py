@@ -2,6 +2,7 @@
 ``python -m torchrec_kvzch.train``) goes in the next release. The console script
 ``torchrec-kvzch-train`` is unchanged."""
 
+import sys
 import warnings
 
 from torchrec_kvzch.job.train import main, parse_args  # noqa: F401
@@ -10,4 +11,4 @@ warnings.warn("torchrec_kvzch.train is deprecated: use torchrec_kvzch.job.train 
               "(python -m torchrec_kvzch.job.train)", DeprecationWarning, stacklevel=2)
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
-from torchrec_kvzch.job import config_path
+from torchrec_kvzch.job import config_path, shipped_config_names
+from torchrec_kvzch.job.data import CRITEO_HEAD_LINES, SEEDS, criteo_line_problem
 from torchrec_kvzch.params import AdmissionPolicy
 from torchrec_kvzch.torchrec.config import ShardingConfig, load_config
 
@@ -27,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="torchrec-kvzch-train", description=DESCRIPTION,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default="quickstart",
-                   help="sharding config: a YAML path, or the name of a shipped one (quickstart, criteo, eviction, large)")
+                   help=f"sharding config: a YAML path, or the name of a shipped one ({', '.join(shipped_config_names())})")
     p.add_argument("--nproc", type=int, default=2, help="processes to launch (ignored under torchrun)")
     p.add_argument("--steps", type=int, default=300, help="train until this global step")
     p.add_argument("--global-batch-size", type=int, default=4096, help="examples per step over all ranks")
@@ -116,12 +119,39 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
                              f"{step} never comes; use a later step, or --resume none")
     if not 0 <= args.new_id_fraction < 1:
         raise UsageError(f"--new-id-fraction {args.new_id_fraction}: must be in [0, 1)")
+    check_numbers(args)
+    missing = [p for p in args.criteo or () if not Path(p).is_file()]
+    if missing:
+        raise UsageError(f"--criteo: no such file {', '.join(missing)}; give the paths of Criteo TSV files")
+    for tsv in args.criteo or ():  # (the first lines only: a whole day of Criteo is many GB)
+        if problem := criteo_line_problem(Path(tsv), CRITEO_HEAD_LINES):
+            raise UsageError(problem)
+    if args.run_dir.exists() and not args.run_dir.is_dir():
+        raise UsageError(f"--run-dir {args.run_dir} is a file; give a folder (it holds the run's checkpoints)")
     args.device = job_device(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     cached = [t.name for t in config.kvzch_tables if t.device_cache.enabled]
     if cached and args.device == "cpu":
         raise UsageError(f"{args.config}: KV-ZCH table(s) {', '.join(cached)} set device_cache, a GPU cache over rows "
                          "in host memory, and this run is on the CPU, whose rows are in host memory already; use "
                          "--device cuda (a GPU per process) or drop device_cache")
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """The numeric options the checks above leave: out of range, each fails only inside a
+    worker, or (NaN, infinity) is taken without a word and trains on something else."""
+    if args.threads < 0:
+        raise UsageError(f"--threads {args.threads}: use a positive count, or 0 for the cores over the local ranks")
+    if not 0 < args.timeout_s <= timedelta.max.total_seconds():
+        raise UsageError(f"--timeout-s {args.timeout_s}: use a positive, finite number of seconds")
+    if not 0 <= args.dense_lr < math.inf:
+        raise UsageError(f"--dense-lr {args.dense_lr}: use a finite learning rate >= 0")
+    if args.population < 1:
+        raise UsageError(f"--population {args.population}: use at least 1 id per feature")
+    if not 1 < args.zipf_alpha < math.inf:  # (written so that NaN fails it)
+        raise UsageError(f"--zipf-alpha {args.zipf_alpha}: use a finite exponent above 1 (the synthetic log's "
+                         "Zipf draw divides by alpha - 1)")
+    if not 0 <= args.seed < SEEDS:
+        raise UsageError(f"--seed {args.seed}: use a seed in [0, {SEEDS})")
 
 
 def job_device(device: str, local_ranks: int) -> str:

@@ -9,6 +9,8 @@ that training never reads, for evaluation.
 
 from __future__ import annotations
 
+import csv
+import itertools
 import math
 from pathlib import Path
 
@@ -25,6 +27,9 @@ from torchrec_kvzch.table.hashing import mix64, unit_uniform  # splitmix64: a ch
 DENSE_FEATURES = INT_FEATURE_COUNT  # 13, as in Criteo
 _PROBE_STEP = -1  # the fixed batch that predictions are compared on
 _HELDOUT_STEP = -2  # held-out batch i is step -2 - i: training steps are >= 0
+CRITEO_COLUMNS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT  # label, 13 integer, 26 categorical
+CRITEO_HEAD_LINES = 1000  # lines of each Criteo file the job checks before it starts
+SEEDS = 2**23  # a seed goes 40 bits up in each draw's int64 key (``_uniform``): 23 bits are left
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +53,31 @@ def _batch(dense: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, feature
                  labels=labels.float())
 
 
+def criteo_line_problem(tsv: Path, lines: int | None = None) -> str | None:
+    """The first of ``tsv``'s first ``lines`` lines (None: all) that TorchRec's converter cannot
+    read, named by file and line with the fix, or None. (The converter says only ``IndexError``
+    or ``ValueError``, from inside a datapipe: no file, no line.)"""
+    with open(tsv, newline="", errors="replace") as f:
+        for number, row in enumerate(itertools.islice(csv.reader(f, delimiter="\t"), lines), start=1):
+            if problem := _criteo_row_problem(row):
+                return (f"{tsv}: line {number}: {problem}; a Criteo line has {CRITEO_COLUMNS} tab-separated columns "
+                        f"(a label, {INT_FEATURE_COUNT} integers, {CAT_FEATURE_COUNT} hexadecimal ids, any of them "
+                        "empty); fix or drop the line")
+    return None
+
+
+def _criteo_row_problem(row: list[str]) -> str | None:
+    if len(row) != CRITEO_COLUMNS:
+        return f"{len(row)} tab-separated columns"
+    decimal = 1 + INT_FEATURE_COUNT  # the label and the integer features; then the hexadecimal ids
+    for column, value in enumerate(row):
+        try:
+            int(value or "0", 10 if column < decimal else 16)
+        except ValueError:
+            return f"column {column + 1} holds {value!r}, not {'a number' if column < decimal else 'a hexadecimal id'}"
+    return None
+
+
 class SyntheticClickLog:
     """Clicks on (user, item, ...) ids drawn from a huge id space, with a signal to learn.
 
@@ -62,8 +92,9 @@ class SyntheticClickLog:
                  population: int = 100_000, zipf_alpha: float = 1.05, new_id_fraction: float = 0.02) -> None:
         if not 0 <= new_id_fraction < 1:
             raise ValueError(f"new_id_fraction={new_id_fraction}: must be in [0, 1)")
-        if zipf_alpha <= 1 or population < 1:
-            raise ValueError(f"zipf_alpha={zipf_alpha}, population={population}: need alpha > 1 and population >= 1")
+        if not (1 < zipf_alpha < math.inf and population >= 1):  # (NaN fails the comparison, so is refused)
+            raise ValueError(f"zipf_alpha={zipf_alpha}, population={population}: need a finite alpha > 1 and "
+                             "population >= 1")
         self.features = [f for t in config.tables for f in t.features]
         self.id_space = torch.tensor([t.num_embeddings for t in config.tables for _ in t.features])
         self.global_batch_size, self.seed = global_batch_size, seed
@@ -159,7 +190,10 @@ class CriteoClickLog:
         if (not dist.is_initialized() or dist.get_rank() == 0) and not all(f.is_file() for f in files):
             cache_dir.mkdir(parents=True, exist_ok=True)
             tmp = [f.with_suffix(".tmp.npy") for f in files]
-            BinaryCriteoUtils.tsv_to_npys(str(tsv), *map(str, tmp))
+            try:
+                BinaryCriteoUtils.tsv_to_npys(str(tsv), *map(str, tmp))
+            except (IndexError, ValueError) as e:
+                raise ValueError(criteo_line_problem(tsv) or f"{tsv}: TorchRec's conversion failed ({e})") from None
             for t, f in zip(tmp, files):
                 t.rename(f)  # complete files only, for a rerun after a crash
         if dist.is_initialized():

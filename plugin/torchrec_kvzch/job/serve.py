@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import math
+import sys
 import tempfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -27,7 +28,9 @@ from pathlib import Path
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.job import config_path
+from torchrec_kvzch.job.cli import UsageError
 from torchrec_kvzch.job.data import DENSE_FEATURES
 from torchrec_kvzch.job.model import dlrm
 from torchrec_kvzch.job.report import read_jsonl
@@ -51,8 +54,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--default", choices=list(DEFAULTS), default="initial",
                    help="what an id without a row reads (initial: as training's evaluation)")
     p.add_argument("--poll-s", type=float, default=1.0, help="seconds between looks for a new checkpoint")
-    p.add_argument("--device", default="cpu", help="where the model serves: cpu, or cuda (rows in GPU memory)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model serves: cpu, or cuda (rows in GPU memory)")
     return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> Path:
+    """Refuse a bad command line before anything is built; returns the checkpoint folder."""
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: use a port in [0, 65535] (0: any free one)")
+    if not 0 < args.poll_s < math.inf:
+        raise UsageError(f"--poll-s {args.poll_s}: use a positive, finite number of seconds")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    checkpoints = Path(args.checkpoints)
+    if (checkpoints / "checkpoints").is_dir() or (checkpoints / "runs.jsonl").is_file():
+        raise UsageError(f"--checkpoints {checkpoints} is a run folder; pass {checkpoints / 'checkpoints'}")
+    if not CheckpointManager(checkpoints).steps():
+        raise UsageError(f"--checkpoints: no checkpoints under {checkpoints}"
+                         + ("" if checkpoints.is_dir() else " (no such folder)")
+                         + "; pass the checkpoints folder of a run that has saved one (<run-dir>/checkpoints)")
+    return checkpoints
 
 
 def trained_config(checkpoints: Path, override: str | None) -> ShardingConfig:
@@ -61,8 +83,7 @@ def trained_config(checkpoints: Path, override: str | None) -> ShardingConfig:
         return load_config(config_path(override))
     runs = checkpoints.parent / "runs.jsonl"
     if not runs.is_file():
-        raise SystemExit(f"torchrec-kvzch-serve: {runs} does not exist, so the config the model was trained with "
-                         "is unknown; pass --config")
+        raise UsageError(f"{runs} does not exist, so the config the model was trained with is unknown; pass --config")
     recorded = read_jsonl(runs)[-1]["config_yaml"]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         f.write(recorded)
@@ -147,16 +168,30 @@ def handler(follower: Follower, features: list[str], tables: dict[str, tuple[str
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    checkpoints = Path(args.checkpoints)
-    config = trained_config(checkpoints, args.config)
+    try:
+        checkpoints = check_args(args)
+        config = trained_config(checkpoints, args.config)
+    except ValueError as e:  # (a config's errors too) one line, as argparse's own, and no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     options = ServingOptions(dtype=args.dtype, default=args.default, kvzch={t.name: t for t in config.kvzch_tables},
                              device=args.device)
-    follower = Follower(lambda: dlrm(config, torch.device("cpu")).model, checkpoints, prefix=PREFIX,
-                        options=options, poll_s=args.poll_s).start()
+    try:
+        follower = Follower(lambda: dlrm(config, torch.device("cpu")).model, checkpoints, prefix=PREFIX,
+                            options=options, poll_s=args.poll_s).start()
+    except (ValueError, FileNotFoundError) as e:  # a checkpoint that does not fit: it names file or table, and the fix
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     features = [f for c in config.embedding_bag_configs() for f in c.feature_names]
     tables = {f: (t.name, t.num_embeddings) for t in config.tables for f in t.features}
-    server = ThreadingHTTPServer(("127.0.0.1", args.port),
-                                 handler(follower, features, tables, torch.device(args.device)))
+    try:
+        server = ThreadingHTTPServer(("127.0.0.1", args.port),
+                                     handler(follower, features, tables, torch.device(args.device)))
+    except OSError as e:
+        follower.stop()
+        print(f"error: --port {args.port}: cannot listen on 127.0.0.1 ({e.strerror}); use another port, or 0 for any "
+              "free one", file=sys.stderr)
+        return 2
     print(f"serving step {follower.current.step} of {checkpoints} on http://127.0.0.1:{server.server_port}",
           flush=True)
     try:

@@ -21,21 +21,28 @@ traceback is kept in ``<run-dir>/failures/``.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import sys
+import threading
+import time
 import traceback
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from tqdm import tqdm
 
+from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.job.cli import check_args, job_config, parse_args
 from torchrec_kvzch.job.model import dlrm, plan_model
 from torchrec_kvzch.job.trainer import PeerLost, Trainer
@@ -53,11 +60,17 @@ def _worker(args: argparse.Namespace) -> dict:
     launcher's report) and the rank exits with status 1; under torchrun, which reports in its
     own way, the rank also prints its error as one line."""
     quiet()
+    # tqdm's default lock is a multiprocessing semaphore, which a rank killed by a signal leaks:
+    # the resource tracker then warns after our report. One rank draws, so a thread lock will do.
+    tqdm.set_lock(threading.RLock())
     rank = int(os.environ.get("RANK", 0))
     record = args.run_dir / "failures" / f"rank-{rank}.json"
     record.unlink(missing_ok=True)
     try:
         return Trainer(args).run()
+    except KeyboardInterrupt:  # Ctrl-C reaches every process, then our launcher passes it on:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one broke the exit with a traceback
+        raise
     except Exception as e:
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps({"rank": rank, "crash": isinstance(e, PeerLost),
@@ -68,16 +81,34 @@ def _worker(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
     try:
+        args = parse_args(argv)  # (a --config name that names no shipped config is refused here)
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
         check_args(args, world_size)
     except (ValueError, FileNotFoundError) as e:  # a config that cannot be used: its message says why
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         return dry_run(args, world_size) if int(os.environ.get("RANK", 0)) == 0 else 0
+    # One job per run dir, locked by the job's one entry point: our launcher, or under torchrun
+    # (a process per rank, on every node) rank 0 alone, which lives as long as the run.
+    try:
+        with run_dir_lock(args.run_dir) if int(os.environ.get("RANK", 0)) == 0 else nullcontext():
+            return launch(args, under_torchrun)
+    except RunDirBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (SignalException, KeyboardInterrupt) as e:  # Ctrl-C, or SIGTERM to our launcher
+        # (on a line of its own: a killed rank 0 leaves its progress bar without one)
+        signum = e.sigval if isinstance(e, SignalException) else signal.SIGINT
+        if int(os.environ.get("RANK", 0)) == 0:  # (under torchrun, every rank gets it)
+            print(f"\ninterrupted ({signal.Signals(signum).name}); {resume_advice(args.run_dir)}", file=sys.stderr)
+        return 128 + signum  # as a shell reports a process its signal ended
+
+
+def launch(args: argparse.Namespace, under_torchrun: bool) -> int:
+    """Train: this process is the rank (under torchrun), or it launches ``--nproc`` of them."""
     args.run_dir.mkdir(parents=True, exist_ok=True)
     args.own_launcher = not under_torchrun
     if args.own_launcher:  # (the failures of an earlier launch, perhaps of more ranks)
@@ -96,6 +127,35 @@ def main(argv: list[str] | None = None) -> int:
         print(failure_report(args.run_dir, e), file=sys.stderr)
         return 1
     return 0
+
+
+class RunDirBusy(RuntimeError):
+    """Another job holds the run dir: its checkpoints, metrics and failures would mix with ours."""
+
+
+@contextmanager
+def run_dir_lock(run_dir: Path):
+    """Hold ``<run-dir>/LOCK`` (``flock``) while the run lasts; a second job on the run dir is
+    refused, naming the holder, before it writes anything. The OS lets go of the lock when the
+    holder ends, however it ends, so a crash leaves nothing to clean up."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "LOCK", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = ""
+            for _ in range(20):  # (a holder that has just taken the lock writes its name next)
+                lock.seek(0)
+                holder = lock.read().strip()
+                if holder:
+                    break
+                time.sleep(0.05)
+            raise RunDirBusy(f"--run-dir {run_dir} is in use by {holder or 'another process'}, a job training "
+                             "there; wait for it to end, or give this run another --run-dir") from None
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        lock.flush()
+        yield
 
 
 def dry_run(args: argparse.Namespace, world_size: int) -> int:
@@ -122,9 +182,20 @@ def failure_report(run_dir: Path, e: ChildFailedError) -> str:
                          f"{', '.join(map(str, ranks))}: {error}" for error, ranks in errors.items()) + \
             f"\n(tracebacks in {run_dir / 'failures'})"
     died = "; ".join(f"rank {r}: {_describe(f)}" for r, f in sorted(e.failures.items()))
-    lost = [r["error"] for r in records]
-    return (f"training failed ({died}){': ' + lost[0] if lost else ''}. Complete checkpoints stay under "
-            f"{run_dir / 'checkpoints'}; rerun the same command to resume from the latest.")
+    killed = any(f.exitcode is not None and f.exitcode < 0 for f in e.failures.values())
+    lost = [r["error"] for r in records]  # (PeerLost: a collective failed, and where to resume from)
+    if lost and not killed:  # no rank was killed (one stalled): the survivor's message says why
+        return f"training failed ({died}): {lost[0]}"
+    return f"training failed ({died}); {resume_advice(run_dir)}."
+
+
+def resume_advice(run_dir: Path) -> str:
+    """What a rerun of the same command does after a crash or an interruption."""
+    root = run_dir / "checkpoints"
+    steps = CheckpointManager(root).steps()
+    if not steps:
+        return f"no complete checkpoint under {root} yet: a rerun of the same command starts afresh"
+    return f"complete checkpoints: {steps} under {root}; rerun the same command to resume from the latest"
 
 
 def _describe(failure) -> str:
@@ -136,7 +207,7 @@ def _describe(failure) -> str:
 @contextmanager
 def _launcher_quiet():
     loggers = [logging.getLogger(n) for n in list(logging.Logger.manager.loggerDict)
-               if n.startswith("torch.distributed.elastic")]
+               if n.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)

@@ -5,6 +5,25 @@ from __future__ import annotations
 import difflib
 import enum
 
+import torch
+
+# The names an nn.ModuleDict already has (its methods, and fields such as ``training``), read
+# from an instance, so that the list is torch's own.
+_MODULE_DICT_NAMES = frozenset(dir(torch.nn.ModuleDict()))
+# A table name's fix where TorchRec cannot keep it.
+RENAME_TABLE = "rename the table (TorchRec keeps a collection's tables in an nn.ModuleDict, keyed by name)"
+
+
+def module_key_problem(name: str) -> str | None:
+    """Why an ``nn.ModuleDict`` refuses ``name`` as a key, or None. TorchRec's collections keep
+    their tables in one, and refuse such a name only when the module is built (a KeyError that
+    names no fix)."""
+    if "." in name:
+        return f"'{name}' contains '.', which a module's name may not"
+    if name in _MODULE_DICT_NAMES:
+        return f"'{name}' is already an attribute of nn.ModuleDict"
+    return None
+
 
 def positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0

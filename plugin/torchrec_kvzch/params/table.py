@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchrec_kvzch.params.admission import AdmissionPolicy
-from torchrec_kvzch.params.checks import pair, positive_int
+from torchrec_kvzch.params.checks import RENAME_TABLE, module_key_problem, pair, positive_int
 from torchrec_kvzch.params.eviction import EvictionPolicy
 from torchrec_kvzch.params.optimizer import OPTIMIZER_DEFAULTS, OptimizerKind, WeightDecayMode
 from torchrec_kvzch.params.storage import DeviceCache, DiskStorage
@@ -78,6 +78,8 @@ class KVZCHTableParams:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"KV-ZCH table name must be a non-empty string, got {self.name!r}")
         fail = self._fail
+        if module_key_problem(self.name):
+            fail("name", module_key_problem(self.name), RENAME_TABLE)
         if self.defaulted is None:
             object.__setattr__(self, "defaulted", frozenset(
                 name for name in OPTIMIZER_DEFAULTS if getattr(self, name) is None))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import threading
 import time
@@ -77,6 +78,8 @@ class Follower:
 
     def __init__(self, build_model: Callable[[], nn.Module], root: str | Path, *, prefix: str = "model",
                  options: ServingOptions = ServingOptions(), poll_s: float = 1.0, spare: bool = True) -> None:
+        if not 0 < poll_s < math.inf:  # (0 or less polled in a busy loop, a core at idle; NaN fails too)
+            raise ValueError(f"Follower: poll_s={poll_s}; poll every positive, finite number of seconds")
         self.build_model, self.prefix, self.options, self.poll_s = build_model, prefix, options, poll_s
         self.source = CheckpointSource(root)
         self.last_error: str | None = None

@@ -43,6 +43,7 @@ from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
+from torchrec_kvzch.params.checks import RENAME_TABLE, module_key_problem
 from torchrec_kvzch.params.table import MAX_NUM_EMBEDDINGS
 from torchrec_kvzch.params import (
     OPTIMIZER_DEFAULTS,
@@ -276,11 +277,18 @@ class _Parser:
         name = t["name"]
         if not isinstance(name, str) or not name.strip():
             self.fail(f"{where}.name", f"expected a non-empty string (quote one YAML reads otherwise), got {name!r}")
+        if module_key_problem(name):
+            self.fail(f"{where}.name", f"{module_key_problem(name)}; {RENAME_TABLE}")
         features = t["features"]
         if not isinstance(features, list) or not features or not all(isinstance(f, str) for f in features):
             self.fail(f"{where}.features", f"expected a non-empty list of feature names, got {features!r}")
         pooling = _POOLINGS[self.choice(str(t.get("pooling", "sum")).lower(), f"{where}.pooling", list(_POOLINGS))]
         dim = self.positive(t["embedding_dim"], f"{where}.embedding_dim")
+        hints = self.constraints(t.get("planner"), f"{where}.planner", len(features), "kvzch" in t)
+        if dim % 4 and ("kvzch" in t or (hints.sharding_types if hints else None) != [ShardingType.DATA_PARALLEL.value]):
+            self.fail(f"{where}.embedding_dim", f"{dim} is not a multiple of 4, which fbgemm's TBE kernels need "
+                      f"(KV-ZCH tables', and TorchRec's for every table not sharded data_parallel alone); "
+                      f"use {dim + -dim % 4}, the next multiple")
         kvzch = None
         if "kvzch" in t:
             if "num_embeddings" in t:
@@ -294,8 +302,7 @@ class _Parser:
             num_embeddings = self.positive(t["num_embeddings"], f"{where}.num_embeddings")
             if num_embeddings > MAX_NUM_EMBEDDINGS:
                 self.fail(f"{where}.num_embeddings", f"{num_embeddings} ids do not fit int64; at most 2^63 - 1")
-        return TableSpec(name, dim, tuple(features), pooling, num_embeddings, kvzch,
-                         self.constraints(t.get("planner"), f"{where}.planner", len(features), kvzch is not None))
+        return TableSpec(name, dim, tuple(features), pooling, num_embeddings, kvzch, hints)
 
     def kvzch(self, raw: Any, where: str, name: str, dim: int, kind, lr, eps) -> KVZCHTableParams:
         kv = self.typed(KVZCHTableParams, self.mapping(raw if raw is not None else {}, where, _KVZCH_KEYS),

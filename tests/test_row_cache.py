@@ -277,9 +277,9 @@ def test_cache_declarations_a_kvzch_table_does_not_take_are_logged(caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING):  # the rows' own precision: nothing to say
         with_device_cache(KVZCHTableParams("same", 8), {}, CacheParams(load_factor=0.2, precision=DataType.FP32))
-        cpu = with_device_cache(KVZCHTableParams("cpu", 8), {}, CacheParams(load_factor=0.2), cuda=False)
+        cpu = with_device_cache(KVZCHTableParams("on_cpu", 8), {}, CacheParams(load_factor=0.2), cuda=False)
     assert "'same'" not in caplog.text and not cpu.device_cache.enabled
-    assert "KV-ZCH table 'cpu': CacheParams size the GPU cache" in caplog.text
+    assert "KV-ZCH table 'on_cpu': CacheParams size the GPU cache" in caplog.text
 
 
 def test_the_sharders_give_cuda_shards_torchrecs_cache_and_cpu_shards_none():

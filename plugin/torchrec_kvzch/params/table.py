@@ -78,8 +78,8 @@ class KVZCHTableParams:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"KV-ZCH table name must be a non-empty string, got {self.name!r}")
         fail = self._fail
-        if module_key_problem(self.name):
-            fail("name", module_key_problem(self.name), RENAME_TABLE)
+        if problem := module_key_problem(self.name):
+            fail("name", problem, RENAME_TABLE)
         if self.defaulted is None:
             object.__setattr__(self, "defaulted", frozenset(
                 name for name in OPTIMIZER_DEFAULTS if getattr(self, name) is None))

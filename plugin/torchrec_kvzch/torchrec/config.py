@@ -277,8 +277,8 @@ class _Parser:
         name = t["name"]
         if not isinstance(name, str) or not name.strip():
             self.fail(f"{where}.name", f"expected a non-empty string (quote one YAML reads otherwise), got {name!r}")
-        if module_key_problem(name):
-            self.fail(f"{where}.name", f"{module_key_problem(name)}; {RENAME_TABLE}")
+        if problem := module_key_problem(name):
+            self.fail(f"{where}.name", f"{problem}; {RENAME_TABLE}")
         features = t["features"]
         if not isinstance(features, list) or not features or not all(isinstance(f, str) for f in features):
             self.fail(f"{where}.features", f"expected a non-empty list of feature names, got {features!r}")

@@ -49,6 +49,7 @@ import torch
 from torchrec_kvzch.params import EvictionKind, EvictionPolicy, EvictionTrigger
 from torchrec_kvzch.table.id_map import as_ids
 from torchrec_kvzch.table.layout import (
+    RowLayout,
     decayed,
     meta_count,
     meta_count_then_timestamp,
@@ -71,6 +72,15 @@ def budget_bytes(store, rows: int) -> int:
     """What ``rows`` rows of ``store`` count against a byte budget, a table's or a rank's: the
     store's upper bound with its arrays reserved (``RowStore.estimated_bytes``)."""
     return store.estimated_bytes(store.layout, rows, reserved=True)
+
+
+def shard_budget(params, r, estimated_bytes) -> tuple[EvictionPolicy, int | None]:
+    """The eviction policy of ``params``' shard of buckets ``r`` and its row budget (None: no
+    budget), ``estimated_bytes(layout, rows, reserved=True)`` counting a byte budget's rows: the
+    store's, which the planner charges too."""
+    policy = params.eviction.for_shard(r.start, r.end, params.total_num_buckets, params.name)
+    layout = RowLayout.for_table(params)
+    return policy, budget_rows(policy, lambda rows: estimated_bytes(layout, rows, reserved=True))
 
 
 def budget_rows(policy: EvictionPolicy | RankBudget, bytes_for_rows) -> int | None:
@@ -154,10 +164,9 @@ class Evictor:
     def __init__(self, store, budget=None) -> None:
         self.store = store
         params, r = store.params, store.bucket_range
-        self.policy = params.eviction.for_shard(r.start, r.end, params.total_num_buckets, params.name)
+        self.policy, self.max_rows = shard_budget(params, r, store.estimated_bytes)
         self.kind = EvictionKind(self.policy.kind)
         self.scored = self.kind is EvictionKind.FEATURE_SCORE  # scores, not counts, in the headers
-        self.max_rows = budget_rows(self.policy, lambda rows: budget_bytes(store, rows))
         if params.eviction.table_max_bytes is not None and self.max_rows == 0:
             one = budget_bytes(store, 1)
             raise ValueError(

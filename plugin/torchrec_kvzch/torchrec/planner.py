@@ -57,7 +57,7 @@ from torchrec_kvzch.torchrec.declarations import (
 from torchrec_kvzch.torchrec.device_cache import with_device_cache
 from torchrec_kvzch.torchrec.modules import ROW_WISE, KVZCHParameterSharding, kvzch_sharders
 from torchrec_kvzch.table.disk_tier import estimated_tier_bytes
-from torchrec_kvzch.table.eviction import budget_rows
+from torchrec_kvzch.table.eviction import shard_budget
 from torchrec_kvzch.table.layout import RowLayout
 from torchrec_kvzch.table.row_cache import estimated_split
 from torchrec_kvzch.table.row_store import RowStore
@@ -102,8 +102,9 @@ class KVZCHPerfConfig(EmbeddingPerfEstimatorConfig):
 class KVZCHStorageEstimator(EmbeddingStorageEstimator):
     """TorchRec's storage estimate, with the shards of tables declared with ``KVZCHConstraints``
     replaced by the bytes their ``expected_rows`` take in a row store (host DRAM on CPU, device
-    memory on CUDA), or their eviction budget where they have one. TorchRec's own declarations carry no row count: their shards keep
-    TorchRec's estimate (the caches its ``KeyValueParams`` size)."""
+    memory on CUDA), or their eviction budget where they have one. TorchRec's own declarations
+    carry no row count: their shards keep TorchRec's estimate (the caches its ``KeyValueParams``
+    size)."""
 
     def __init__(self, topology: Topology, constraints, tables: dict[str, KVZCHTableParams]) -> None:
         super().__init__(topology=topology, constraints=constraints)
@@ -121,9 +122,7 @@ class KVZCHStorageEstimator(EmbeddingStorageEstimator):
                 start, rows, size = shard.offset[0], shard.size[0], params.bucket_size
                 buckets = BucketRange(start // size, (start + rows) // size, size)
                 rows, extra, on_disk = params.expected_shard_rows(buckets), params.admission.sketch_bytes, 0
-                # A budget is the most the shard holds, and the store reserves it up front.
-                policy = params.eviction.for_shard(buckets.start, buckets.end, params.total_num_buckets, params.name)
-                cap = budget_rows(policy, lambda n: RowStore.estimated_bytes(layout, n, reserved=True))
+                _, cap = shard_budget(params, buckets, RowStore.estimated_bytes)  # (reserved up front: the most it holds)
                 rows = rows if cap is None else cap
                 if params.storage.enabled:  # the cache's rows (and the tier's index) in DRAM, the others on disk
                     cached = min(rows, params.storage.shard_bytes(buckets.num_buckets, params.total_num_buckets)

@@ -326,6 +326,25 @@ def load_state_dict_across(rank, world):
     except RuntimeError as e:
         out["bogus"] = str(e)
 
+    # A load refused (an unknown key, a table's weight missing, one table's rows of another
+    # width) changes no table, the one checked first included; not strict, a missing weight is reported.
+    other = build()
+    train(other, 90 + rank)
+    theirs, before = other.state_dict(), all_rows(fresh)
+    wide = build(dim=12).state_dict()["embedding_bags.u.weight"]
+    out["refused"] = []
+    for change in ({"embedding_bags.t.bogus": torch.zeros(1)}, {"embedding_bags.u.weight": None},
+                   {"embedding_bags.u.weight": wide}):
+        state = {k: v for k, v in {**theirs, **change}.items() if v is not None}
+        try:
+            fresh.load_state_dict(state)
+        except (RuntimeError, ValueError) as e:
+            out["refused"].append((str(e).splitlines()[0] + str(e)).count("embedding_bags.u.weight") > 0
+                                  or "KV-ZCH table 'u'" in str(e) or "bogus" in str(e))
+    out["unchanged after refusals"] = same_rows(all_rows(fresh), before)
+    result = fresh.load_state_dict({k: v for k, v in theirs.items() if k != "embedding_bags.u.weight"}, strict=False)
+    out["missing reported"] = "embedding_bags.u.weight" in result.missing_keys
+
     # weight_id shards are plain int64 tensors sharing the snapshot's ids; weights stay lazy.
     state = source.state_dict()
     for name, _ in TABLES:
@@ -351,6 +370,7 @@ def test_load_state_dict_from_another_model_and_from_upstream(pools):
     for out in pools[2].run(load_state_dict_across):
         assert out["other model"] and out["upstream"] and out["upstream history"]
         assert out["bogus"] is not None and "embedding_bags.t.bogus" in out["bogus"]
+        assert out["refused"] == [True, True, True] and out["unchanged after refusals"] and out["missing reported"]
         assert out["snapshot names"] == sorted(name for name, _ in TABLES)
         assert out["prefixed"] == sorted(f"p.{name}" for name, _ in TABLES)
 
@@ -416,13 +436,13 @@ def test_set_range_writes_ids_in_range_and_whole_rows_by_position():
 
 # -- a dense table's weights (no ids) ------------------------------------------------------------
 def test_a_dense_weight_loads_row_by_id_only_when_it_covers_the_shard():
-    from torchrec_kvzch.torchrec.state_dict import load_materialised
+    from torchrec_kvzch.torchrec.materialised import materialised_load
 
     params = KVZCHTableParams("d", 4, num_embeddings=64, total_num_buckets=8, learning_rate=0.1,
                               init_range=(-0.5, 0.5))
     whole = RowStore(params)  # one rank: ids [0, 64)
     dense = torch.randn(64, 4)
-    load_materialised(KVTensor(whole, RowPart.WEIGHT), {"weight": dense})
+    materialised_load(KVTensor(whole, RowPart.WEIGHT), {"weight": dense})()
     assert torch.equal(torch.sort(whole.keys()).values, torch.arange(64))
     assert torch.equal(whole.read_ids(torch.arange(64)), dense)
     assert int(whole.counters["inserted"]) == 0  # a load creates rows but counts no lookup
@@ -432,6 +452,6 @@ def test_a_dense_weight_loads_row_by_id_only_when_it_covers_the_shard():
     before = half.read_ids(torch.tensor([40])).clone()
     for weight in (dense, dense[:32], torch.randn(32, 8)):  # wrong ids, wrong ids, wrong width
         with pytest.raises(ValueError, match="KV-ZCH table 'd'"):
-            load_materialised(KVTensor(half, RowPart.WEIGHT), {"weight": weight})
+            materialised_load(KVTensor(half, RowPart.WEIGHT), {"weight": weight})
         assert torch.equal(torch.sort(half.keys()).values, torch.tensor([40]))  # refused before any change
         assert torch.equal(half.read_ids(torch.tensor([40])), before)

@@ -170,15 +170,50 @@ def test_each_pending_update_ends_with_its_own_backward_or_graph():
     tbe(torch.arange(100, 5000), torch.tensor([0, 4900])).sum().backward()  # may grow now
 
 
-def test_eviction_under_a_pending_update_is_refused_naming_the_table():
-    p = KVZCHTableParams("e", 4, num_embeddings=2**40, total_num_buckets=8,
-                         eviction=EvictionPolicy("lru", max_rows=100))
-    tbe = TableTBE(p, p.bucket_range(0, 1))
+@pytest.mark.parametrize("kind", ["lru", "lfu", "rank_budget", "disk"])
+def test_a_lookup_ahead_is_refused_before_it_changes_anything_where_rows_may_move(kind, tmp_path):
+    """A training lookup before the previous one's backward (semi-sync, prefetch) may not move
+    rows: a table that may evict in its lookups (budget, automatic pass, rank budget) or move rows
+    to its disk tier is refused at once, naming it, with its clock, counts, admission sketch and
+    rows as they were, even when this lookup would have evicted nothing."""
+    from torchrec_kvzch.params import AdmissionPolicy, DiskStorage, RankBudget
+    from torchrec_kvzch.table.layout import meta_count
+    from torchrec_kvzch.table.rank_budget import SharedBudget
+
+    eviction = {"lru": EvictionPolicy("lru", max_rows=1000),
+                "lfu": EvictionPolicy("lfu", count_threshold=2, count_decay=0.5, interval_steps=1)}.get(kind)
+    p = KVZCHTableParams("e", 4, num_embeddings=2**40, total_num_buckets=8, eviction=eviction or EvictionPolicy(),
+                         admission=AdmissionPolicy("count", min_count=2),
+                         storage=DiskStorage(tmp_path, 1 << 20) if kind == "disk" else DiskStorage())
+    budget = SharedBudget(RankBudget(max_rows=1000)) if kind == "rank_budget" else None
+    tbe = TableTBE(p, p.bucket_range(0, 1), budget=budget)
+    for _ in range(3):
+        tbe(torch.arange(90), torch.tensor([0, 90])).sum().backward()
     first = tbe(torch.arange(90), torch.tensor([0, 90]))
-    tbe(torch.arange(90, 95), torch.tensor([0, 5]))  # room for these: nothing to evict
-    with pytest.raises(RuntimeError, match="'e': a forward before the backward .* evict rows"):
-        tbe(torch.arange(200, 220), torch.tensor([0, 20]))
+    store = tbe.store
+    before = (store.clock, store.keys().clone(), meta_count(store.meta[: len(store)]).clone(),
+              store.admission.counts.clone(), store.admission.totals.clone())
+    with pytest.raises(RuntimeError, match="'e': a forward before the backward of the one before it .* would have"):
+        tbe(torch.arange(90, 95), torch.tensor([0, 5]))  # (room for these, a pass that would drop none)
+    after = (store.clock, store.keys(), meta_count(store.meta[: len(store)]), store.admission.counts,
+             store.admission.totals)
+    assert before[0] == after[0] and all(torch.equal(x, y) for x, y in zip(before[1:], after[1:]))
     first.sum().backward()
+    tbe(torch.arange(90, 95), torch.tensor([0, 5])).sum().backward()  # after the backward: fine
+
+
+def test_a_lookup_ahead_goes_on_where_no_row_can_move():
+    """Without eviction in the lookups (none, or passes on the manual trigger), a lookup ahead
+    is the semi-sync pipeline's, and works while the store has room."""
+    for eviction in (EvictionPolicy(), EvictionPolicy("ttl", ttl_steps=3, trigger="manual")):
+        p = KVZCHTableParams("m", 4, num_embeddings=2**40, total_num_buckets=8, eviction=eviction,
+                             expected_rows=5000)
+        tbe = TableTBE(p, p.bucket_range(0, 1), initial_rows=5000)
+        first = tbe(torch.arange(90), torch.tensor([0, 90]))
+        second = tbe(torch.arange(90, 95), torch.tensor([0, 5]))
+        with pytest.raises(RuntimeError, match="'m': an eviction pass cannot run between a forward and its backward"):
+            tbe.store.evictor.run_pass()
+        (first.sum() + second.sum()).backward()
 
 
 def test_dims_fbgemm_cannot_run_are_refused_with_a_clear_error():

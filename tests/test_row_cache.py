@@ -210,13 +210,51 @@ def test_a_device_cache_is_refused_where_it_cannot_serve():
         KVZCHTableParams("t", 8, device_cache=DeviceCache(prefetch_pipeline=True))
 
 
-def test_a_prefetch_pipeline_is_refused_for_updates_the_table_runs_itself(fake):
-    from torchrec_kvzch.table.tbe import TableTBE
+def test_a_prefetch_pipeline_is_refused_with_what_it_cannot_serve_when_the_table_is_declared():
+    """fbgemm's prefetch pipeline locks cache lines until fbgemm's own update (not an update the
+    table runs itself), and a prefetch looks a batch up before the previous backward, when no
+    row may move (no eviction in lookups): both refused by the parameters, not in the workers."""
+    cache = DeviceCache(rows=64, prefetch_pipeline=True)
+    kw = dict(num_embeddings=2**30, total_num_buckets=16, device_cache=cache)
+    for own in (dict(optimizer="adam"), dict(weight_decay=0.01, weight_decay_mode="l2"),
+                dict(weight_decay=0.01, weight_decay_mode="decouple", weight_dtype="fp16")):
+        with pytest.raises(ValueError, match="'t': device_cache prefetch_pipeline with an update the table runs itself"):
+            KVZCHTableParams("t", 8, **kw, **own)
+    for eviction in (EvictionPolicy("lru", max_rows=1000), EvictionPolicy("ttl", ttl_steps=5),
+                     EvictionPolicy("lfu", count_threshold=2, trigger="rows", trigger_rows=100),
+                     EvictionPolicy("ttl", ttl_steps=5, table_max_rows=10_000)):
+        with pytest.raises(ValueError, match="'t': device_cache prefetch_pipeline with eviction in the lookups"):
+            KVZCHTableParams("t", 8, eviction=eviction, **kw)
+    manual = KVZCHTableParams("t", 8, eviction=EvictionPolicy("ttl", ttl_steps=5, trigger="manual"), **kw)
+    assert manual.device_cache.prefetch_pipeline and not manual.own_update  # (passes run between steps)
+    with pytest.raises(ValueError, match="'t': device_cache policy 'lfu' is set without a cache size"):
+        KVZCHTableParams("t", 8, device_cache=DeviceCache(policy="lfu"))
 
-    p = KVZCHTableParams("t", 8, num_embeddings=2**30, total_num_buckets=16, optimizer="adam",  # (its own update)
-                         device_cache=DeviceCache(rows=64, prefetch_pipeline=True))
-    with pytest.raises(ValueError, match="prefetch_pipeline with an update the table runs itself"):
-        TableTBE(p, p.bucket_range(0, 1))
+
+def test_a_freeze_under_a_pending_update_copies_the_cached_rows(fake):
+    """An async save frozen between a forward and its backward: the rows the pending update will
+    write are copied aside from their cached copies (fresher than the host's), not the host rows."""
+    ids = torch.arange(40) * 7919 + 3
+    frozen = {}
+    for cache_rows, ops in ((64, fake), (None, None)):
+        store = RowStore(params(cache_rows))
+        train(store, ids, ops)
+        train(store, ids, ops)  # the rows' fresh values: in the cache only
+        slots = torch.unique(store.lookup_for_update(ids))  # a forward (its cache fill), its update pending
+        if ops is not None:
+            ops.populate(store.row_cache, slots, store.clock)
+        update = store.expect_update(slots)
+        at_freeze = store.peek(torch.sort(ids).values)
+        snap = RowSnapshot(store)
+        snap.freeze()
+        frozen[cache_rows] = snap.read(0, len(snap), RowPart.WEIGHT)
+        assert torch.equal(frozen[cache_rows], at_freeze)
+        store.update_started(update)  # the backward: the cached copies change
+        if store.row_cache is not None:
+            store.row_cache.weights.add_(1.0)
+        store.weights[slots] += 1.0
+        assert torch.equal(snap.read(0, len(snap), RowPart.WEIGHT), at_freeze)
+    assert torch.equal(frozen[64], frozen[None])
 
 
 def test_the_cache_size_follows_the_shard(fake):
@@ -251,14 +289,20 @@ def test_torchrecs_cache_declarations_size_a_cuda_shards_device_cache():
     assert (got.load_factor, got.rows) == (0.1, (2 << 20) // 32)
     own = KVZCHTableParams("t", 8, device_cache=DeviceCache(rows=5))
     assert with_device_cache(own, {"cache_load_factor": 0.3}) is own
+    # A table's CacheParams ask for a cache (upstream's load factor, 0.2, when they give none); the
+    # sharders' fused params, which ordinary tables share, only with a size.
+    got = with_device_cache(table, {}, CacheParams(algorithm=CacheAlgorithm.LFU)).device_cache
+    assert (got.load_factor, got.rows, got.policy.value) == (0.2, None, "lfu")
+    assert with_device_cache(table, {"cache_algorithm": CacheAlgorithm.LFU}) is table
 
 
-def test_cache_declarations_a_kvzch_table_does_not_take_are_logged(caplog):
-    """CacheParams fields no DRAM store's cache uses (a precision other than the rows', reserved
-    memory, multipass prefetch, statistics) and, on CPU ranks, the CacheParams themselves."""
+def test_cache_declarations_a_kvzch_table_cannot_honour_are_refused_by_name(caplog):
+    """On CUDA ranks a table's CacheParams fields its GPU cache cannot honour (a precision other
+    than the rows', reserved memory, multipass prefetch, statistics) and malformed sizes are
+    refused, naming the field; on CPU ranks the CacheParams have no use and are logged."""
     import logging
 
-    from torchrec.distributed.types import CacheParams, CacheStatistics
+    from torchrec.distributed.types import CacheParams, CacheStatistics, KeyValueParams
     from torchrec.modules.embedding_configs import DataType
 
     from torchrec_kvzch.torchrec.device_cache import with_device_cache
@@ -266,19 +310,24 @@ def test_cache_declarations_a_kvzch_table_does_not_take_are_logged(caplog):
     class Stats(CacheStatistics):  # (an abstract interface: any statistics object)
         expected_lookups = expected_miss_rate = cacheability = 0.0
 
-    table = KVZCHTableParams("logged", 8)
+    table = KVZCHTableParams("t", 8)
+    for field, value in (("precision", DataType.FP16), ("reserved_memory", 1.0), ("stats", Stats())):
+        with pytest.raises(ValueError, match=f"'t': CacheParams.{field} .*cannot be honoured.*fix: drop it"):
+            with_device_cache(table, {}, CacheParams(load_factor=0.2, **{field: value}))
+    assert with_device_cache(table, {}, CacheParams(load_factor=0.2, precision=DataType.FP32)).device_cache.enabled
+    for cache, kv, field in ((CacheParams(load_factor=0), None, "CacheParams.load_factor"),
+                             (CacheParams(load_factor=True), None, "CacheParams.load_factor"),
+                             (None, KeyValueParams(max_l1_cache_size=0), "KeyValueParams.max_l1_cache_size"),
+                             (None, KeyValueParams(max_l1_cache_size=0.5), "KeyValueParams.max_l1_cache_size"),
+                             (CacheParams(load_factor=0.2, prefetch_pipeline="False"), None,
+                              "CacheParams.prefetch_pipeline")):
+        with pytest.raises(ValueError, match=f"'t': {field} must be"):
+            with_device_cache(table, {}, cache, kv)
+    with pytest.raises(ValueError, match="'t': the fused param cache_load_factor must be"):
+        with_device_cache(table, {"cache_load_factor": "abc"})
     with caplog.at_level(logging.WARNING):
-        got = with_device_cache(table, {}, CacheParams(load_factor=0.2, precision=DataType.FP16, reserved_memory=1.0,
-                                                       stats=Stats()))
-    assert got.device_cache.load_factor == 0.2
-    for phrase in ("CacheParams.precision FP16 is not used", "keeps their precision (fp32)",
-                   "CacheParams.reserved_memory is not used", "CacheParams.stats is not used"):
-        assert phrase in caplog.text, phrase
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):  # the rows' own precision: nothing to say
-        with_device_cache(KVZCHTableParams("same", 8), {}, CacheParams(load_factor=0.2, precision=DataType.FP32))
         cpu = with_device_cache(KVZCHTableParams("on_cpu", 8), {}, CacheParams(load_factor=0.2), cuda=False)
-    assert "'same'" not in caplog.text and not cpu.device_cache.enabled
+    assert not cpu.device_cache.enabled
     assert "KV-ZCH table 'on_cpu': CacheParams size the GPU cache" in caplog.text
 
 

@@ -247,7 +247,7 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
     errors = [p.communicate(timeout=180)[1] for p in procs]
     assert time.monotonic() - t0 < 150
     assert procs[1].returncode == -9 and procs[0].returncode != 0
-    assert "another rank died or stalled" in errors[0] and "Complete checkpoints: [2]" in errors[0], errors[0][-3000:]
+    assert "another rank died or stalled" in errors[0] and "stalled; complete checkpoints: [2]" in errors[0], errors[0][-3000:]
 
 
 def test_a_second_job_on_a_run_dir_in_use_is_refused_before_it_writes_anything(tmp_path):

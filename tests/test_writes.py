@@ -155,3 +155,26 @@ def test_a_trained_table_trains_its_written_rows():
     assert torch.equal(out, torch.tensor([[5.0] * 4, [2.0] * 4]))
     out.backward(torch.ones_like(out))
     assert torch.equal(tbe.store.read_ids(torch.tensor([3, 70_000])), torch.tensor([[4.5] * 4, [1.5] * 4]))
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_an_embedding_cache_table_makes_rows_in_training_lookups_only(grad):
+    """A written table (``embedding_cache``) in train mode makes and stamps rows of the ids it looks
+    up, and trains none; under ``torch.no_grad()`` (evaluation, as documented for every table)
+    it changes nothing: no row, no clock step, no eviction."""
+    from torchrec_kvzch import EvictionPolicy, KVZCHTableParams
+    from torchrec_kvzch.table.tbe import TableTBE
+
+    p = KVZCHTableParams("c", 4, num_embeddings=2**20, total_num_buckets=4, eviction=EvictionPolicy("lru", max_rows=4))
+    tbe = TableTBE(p, p.bucket_range(0, 1))
+    tbe.embedding_cache = True
+    tbe.write(torch.tensor([1, 2, 3]), torch.ones(3, 4))
+    with torch.set_grad_enabled(grad):
+        out = tbe(torch.arange(10, 14), torch.arange(5))
+    assert not out.requires_grad
+    if grad:  # (the budget of 4 rows makes room for the batch's)
+        assert tbe.store.clock == 1 and torch.sort(tbe.store.keys()).values.tolist() == [10, 11, 12, 13]
+    else:
+        assert tbe.store.clock == 0 and torch.sort(tbe.store.keys()).values.tolist() == [1, 2, 3]
+        assert tbe.store.counters["evicted"] == 0
+        assert torch.equal(tbe.store.read_ids(torch.tensor([1, 2, 3])), torch.ones(3, 4))

@@ -14,6 +14,7 @@ their last chunk has been materialised.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import uuid
@@ -101,7 +102,7 @@ class KVZCHSavePlanner(DefaultSavePlanner):
             self._checksums.write()
 
     def create_global_plan(self, all_plans):
-        plans, metadata = super().create_global_plan(all_plans)
+        plans, metadata = super().create_global_plan(_without_shadowed_empty_chunks(all_plans))
         tables = {}
         for fqn, obj in self.state_dict.items():
             view = kv_view(obj)
@@ -119,6 +120,19 @@ class KVZCHSavePlanner(DefaultSavePlanner):
                                       "uid": uuid.uuid4().hex, "base": self._base}
         metadata.planner_data = mappings
         return plans, metadata
+
+
+def _without_shadowed_empty_chunks(plans: list) -> list:
+    """Plans without the empty row chunks that share their DCP index (entry, offset) with a chunk
+    of rows: a rank holding no rows of a table has one empty chunk at the offset where the next
+    rank's rows start, and DCP's dedup, taking the two for copies of one item, could keep the
+    empty one and lose the rows."""
+    def empty(item) -> bool:
+        return item.tensor_data is not None and 0 in item.tensor_data.chunk.sizes
+
+    full = {item.index for plan in plans for item in plan.items if not empty(item)}
+    return [dataclasses.replace(plan, items=[i for i in plan.items if not (empty(i) and i.index in full)])
+            for plan in plans]
 
 
 def _rows_per_rank(entry) -> list[int]:

@@ -45,7 +45,7 @@ from tqdm import tqdm
 from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.job.cli import check_args, job_config, parse_args
 from torchrec_kvzch.job.model import dlrm, plan_model
-from torchrec_kvzch.job.trainer import PeerLost, Trainer
+from torchrec_kvzch.job.trainer import PeerLost, Trainer, resume_advice
 
 
 def quiet() -> None:
@@ -187,15 +187,6 @@ def failure_report(run_dir: Path, e: ChildFailedError) -> str:
     if lost and not killed:  # no rank was killed (one stalled): the survivor's message says why
         return f"training failed ({died}): {lost[0]}"
     return f"training failed ({died}); {resume_advice(run_dir)}."
-
-
-def resume_advice(run_dir: Path) -> str:
-    """What a rerun of the same command does after a crash or an interruption."""
-    root = run_dir / "checkpoints"
-    steps = CheckpointManager(root).steps()
-    if not steps:
-        return f"no complete checkpoint under {root} yet: a rerun of the same command starts afresh"
-    return f"complete checkpoints: {steps} under {root}; rerun the same command to resume from the latest"
 
 
 def _describe(failure) -> str:

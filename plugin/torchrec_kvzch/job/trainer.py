@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,15 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
 
 class PeerLost(RuntimeError):
     """A collective failed: another rank died or stalled."""
+
+
+def resume_advice(run_dir: Path) -> str:
+    """What a rerun of the same command does after a crash or an interruption."""
+    root = run_dir / "checkpoints"
+    steps = CheckpointManager(root).steps()
+    if not steps:
+        return f"no complete checkpoint under {root} yet: a rerun of the same command starts afresh"
+    return f"complete checkpoints: {steps} under {root}; rerun the same command to resume from the latest"
 
 
 class Trainer:
@@ -112,9 +122,8 @@ class Trainer:
             if not _collective_failure(e):
                 raise
             raise PeerLost(f"rank {self.rank}: a collective failed at step {self.step} ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}); another rank died or stalled. "
-                           f"Complete checkpoints: {self.checkpoints.steps()} under {self.checkpoints.root}; "
-                           f"rerun the same command to resume from the latest.") from e
+                           f"{str(e).splitlines()[0] if str(e) else ''}); another rank died or stalled; "
+                           f"{resume_advice(self.args.run_dir)}.") from e
         finally:
             self.bar.close()
             if self.metrics:

@@ -231,6 +231,15 @@ class EvictionPolicy:
     def enabled(self) -> bool:
         return EvictionKind(self.kind) is not EvictionKind.NONE
 
+    @property
+    def in_lookups(self) -> bool:
+        """Whether training lookups may evict rows: under a budget, or by a pass on an automatic
+        trigger (``manual`` passes run between steps)."""
+        kind = EvictionKind(self.kind)
+        budget = any(getattr(self, n) is not None for n in ("max_rows", "max_bytes", "table_max_rows", "table_max_bytes"))
+        automatic = kind.has_pass and EvictionTrigger(self.trigger) is not EvictionTrigger.MANUAL
+        return kind is not EvictionKind.NONE and (budget or automatic)
+
     def for_shard(self, start: int, end: int, total: int, table: str) -> "EvictionPolicy":
         """The policy of the shard owning buckets ``[start, end)`` of ``total``: a table budget
         becomes this shard's share, ``floor(B * end / total) - floor(B * start / total)``, so

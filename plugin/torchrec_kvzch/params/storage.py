@@ -78,8 +78,9 @@ class DeviceCache:
     both are given (as TorchRec's ``max_l1_cache_size`` caps a load factor); ``policy`` picks the
     rows it drops first (fbgemm's LRU or LFU cache). ``prefetch_pipeline``: TorchRec's
     ``PrefetchTrainPipelineSparseDist`` brings each next batch's rows in while a batch trains
-    (fbgemm's prefetch pipeline: LRU only, and not for the updates a table runs itself). The
-    default, neither size, keeps every row in GPU memory."""
+    (fbgemm's prefetch pipeline: LRU only; the table's parameters refuse it with an update the
+    table runs itself or eviction in the lookups). The default, neither size, keeps every row in
+    GPU memory."""
 
     rows: int | None = None
     load_factor: float | None = None
@@ -111,6 +112,8 @@ class DeviceCache:
             fail(f"prefetch_pipeline must be True or False, got {self.prefetch_pipeline!r}", "pass a bool")
         if self.prefetch_pipeline and not self.enabled:
             fail("prefetch_pipeline is set without a cache to prefetch into", "give rows or load_factor too")
+        if policy is not CachePolicy.LRU and not self.enabled:
+            fail(f"policy {policy.value!r} is set without a cache size", "give rows or load_factor too")
         if self.prefetch_pipeline and policy is not CachePolicy.LRU:
             fail("prefetch_pipeline needs policy 'lru' (fbgemm's prefetch pipeline locks LRU cache lines only)",
                  "use policy='lru', or drop prefetch_pipeline")

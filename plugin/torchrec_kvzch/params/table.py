@@ -158,6 +158,15 @@ class KVZCHTableParams:
         if self.device_cache.enabled and self.storage.enabled:
             fail("device_cache", "and storage (a disk tier) are both set: a disk tier serves CPU stores, a "
                  "device cache CUDA ones", "keep one: device_cache on GPUs, storage on CPU ranks")
+        if self.device_cache.prefetch_pipeline and self.own_update:
+            fail("device_cache", f"prefetch_pipeline with an update the table runs itself ({self.optimizer.value}, "
+                 f"weight decay {self.weight_decay_mode.value}, {self.weight_dtype} rows), which fbgemm's prefetch "
+                 "pipeline would leave its cache lines locked for",
+                 "drop prefetch_pipeline, or train with exact_rowwise_adagrad or exact_sgd (fp32 rows with a decay)")
+        if self.device_cache.prefetch_pipeline and self.eviction.in_lookups:
+            fail("device_cache", "prefetch_pipeline with eviction in the lookups (a budget, or a pass on an automatic "
+                 "trigger): a prefetch looks the next batch up before this one's backward, when no row may move",
+                 "drop prefetch_pipeline, or evict with trigger 'manual' (store.evictor.run_pass() between steps)")
         if self.init_seed is None:
             object.__setattr__(self, "init_seed", zlib.crc32(self.name.encode()))
         elif not (isinstance(self.init_seed, int) and not isinstance(self.init_seed, bool)
@@ -171,6 +180,14 @@ class KVZCHTableParams:
     @property
     def dtype(self) -> torch.dtype:
         return _WEIGHT_DTYPES[self.weight_dtype]
+
+    @property
+    def own_update(self) -> bool:
+        """Whether the table runs its update itself rather than fbgemm's TBE (``table/row_optimizers.py``):
+        Adam, row-wise Adagrad with L2 decay, fp16 rows with any decay."""
+        decays = self.weight_decay > 0
+        return self.optimizer.adam or (decays and self.weight_dtype == "fp16") or (
+            self.optimizer is OptimizerKind.EXACT_ROWWISE_ADAGRAD and decays and self.weight_decay_mode is WeightDecayMode.L2)
 
     @property
     def bucket_size(self) -> int:

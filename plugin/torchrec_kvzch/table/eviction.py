@@ -186,6 +186,11 @@ class Evictor:
         self._step_times: collections.deque = collections.deque()  # (step, seconds), ascending
         self._decayed_at: float | None = None  # seconds: the last decay, or the first training batch
 
+    @property
+    def in_lookups(self) -> bool:
+        """Whether training lookups may evict rows of this store (its policy, or the rank's budget)."""
+        return self.policy.in_lookups or self.shared is not None
+
     def before_insert(self, ids: torch.Tensor) -> int:
         """Run a due pass, then make room for the batch ``ids`` under the table's budget and the
         rank's; returns the number of rows evicted from this store and others."""

@@ -50,19 +50,30 @@ class PendingUpdates:
     def oldest_clock(self) -> int | None:
         return min(u.clock for u in self._updates) if self._updates else None
 
-    def refuse_growth(self, table: str, capacity: int) -> RuntimeError:
-        return _refusal(table, f"grow the row store past {capacity:,} rows", "reserve the rows up front "
-                        "(expected_rows in the table's KV-ZCH parameters, or RowStore.reserve)")
+    def check_lookup(self, store, n: int) -> None:
+        """Refuse, while an update is pending, a training lookup of ``n`` ids in ``store`` that could
+        grow it (growth drops the arrays the update writes) or that may move rows (eviction, a rank
+        budget, a disk tier), before the lookup changes anything."""
+        if not self._updates:
+            return
+        if len(store) + n > store.capacity:
+            raise _refusal(store.params.name, f"grow the row store past {store.capacity:,} rows", "reserve the rows "
+                           "up front (expected_rows in the table's KV-ZCH parameters, or RowStore.reserve)")
+        if store.evictor.in_lookups or store.cache is not None:
+            raise self.refuse_moves(store.params.name, disk=not store.evictor.in_lookups)
 
-    def refuse_eviction(self, table: str) -> RuntimeError:
-        return _refusal(table, "evict rows (deletes move rows)", "train tables with eviction")
+    def refuse_moves(self, table: str, disk: bool = False) -> RuntimeError:
+        if disk:
+            return _refusal(table, "move rows between DRAM and its disk tier", "give the table no disk tier")
+        return _refusal(table, "evict rows, as its eviction policy or rank budget may in any lookup (a delete "
+                        "moves rows)", "drop them, or evict with trigger 'manual' (evictor.run_pass() between steps)")
 
 
 def _refusal(table: str, what: str, fix: str) -> RuntimeError:
     """The error for a change that would move rows under a pending update."""
     return RuntimeError(
         f"KV-ZCH table '{table}': a forward before the backward of the one before it (as "
-        f"TorchRec's TrainPipelineSemiSync does) would have to {what} while that backward's "
+        f"TorchRec's semi-sync and prefetch pipelines do) would have to {what} while that backward's "
         f"fused update is pending, which would then write the wrong rows; {fix}, or run "
         "backward between forwards (a plain loop, or TrainPipelineSparseDist)")
 

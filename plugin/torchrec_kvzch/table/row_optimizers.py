@@ -62,14 +62,6 @@ class Hyper:
                    params.weight_decay_mode is WeightDecayMode.L2, params.stochastic_rounding)
 
 
-def runs_itself(params: KVZCHTableParams) -> bool:
-    """Whether the table's update is ours rather than fbgemm's."""
-    decays = params.weight_decay > 0
-    return params.optimizer.adam or (decays and params.weight_dtype == "fp16") or (
-        params.optimizer is OptimizerKind.EXACT_ROWWISE_ADAGRAD and decays
-        and params.weight_decay_mode is WeightDecayMode.L2)
-
-
 def lookup_gradients(grad: torch.Tensor, offsets: torch.Tensor, pooled: bool, mean: bool,
                      num_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(``bags`` fp32 ``[P, D]``, ``source`` ``[N]``): id ``i`` of a lookup receives the output

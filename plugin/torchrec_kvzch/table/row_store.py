@@ -60,8 +60,7 @@ class RowStore:
         self._frozen: tuple = ()  # copy-on-write states of frozen snapshots (see snapshot.py)
         self.history = BucketHistory(self.bucket_range)  # rows inserted and evicted, by bucket
         self.changes = ChangeLog()  # what incremental checkpoints need to tell (changes.py)
-        self.admission = (Admission(params.admission, params.init_seed, self.device)
-                          if params.admission.enabled else None)
+        self.admission = Admission(params.admission, params.init_seed, self.device) if params.admission.enabled else None
         self._reserved = self._reserved_map = 0  # rows reserved (arrays, id map): deletes, loads keep them
         self.row_cache = RowCache(self, params.device_cache) if params.device_cache.enabled else None
         self.weights, self.optimizer, self.meta = self._new_arrays(_MIN_ROWS).tensors
@@ -105,9 +104,8 @@ class RowStore:
     def lookup_for_update(self, ids: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
         """A training batch's slots: a clock step, admission (-1: not admitted yet), eviction, then
         ``find_or_insert`` (``scores``: per id, for a feature-score table). Under a pending update,
-        eviction (a delete moves rows) and growth (it drops the arrays written) are refused."""
-        if self._pending and len(self) + ids.numel() > self.capacity:
-            raise self._pending.refuse_growth(self.params.name, self.capacity)
+        growth and tables that may move rows in lookups are refused before anything changes."""
+        self._pending.check_lookup(self, ids.numel())
         self.evictor.check_scores(scores)
         if self.cache is not None:
             self.cache.check_fits(ids)
@@ -185,7 +183,7 @@ class RowStore:
     def evict(self, ids: torch.Tensor) -> None:
         """Delete the rows of ``ids`` (in either tier), counting them as evicted (eviction's way out)."""
         if self._pending:
-            raise self._pending.refuse_eviction(self.params.name)
+            raise self._pending.refuse_moves(self.params.name)
         self.delete(ids)
         self.history.count(EVICTED, ids)
 
@@ -239,11 +237,13 @@ class RowStore:
         return self.changes.mark(self.clock, False) if oldest is None else self.changes.mark(oldest, True)
 
     def pin(self, frozen) -> None:
-        """Have a frozen snapshot (``snapshot._Frozen``) copy rows aside before they change (``preserve``,
-        ``preserve_headers``) and keep the arrays a clear drops (``let_go``); rows in host memory as of now."""
+        """Have a frozen snapshot (``snapshot._Frozen``) copy rows aside before they change (``preserve``: pending
+        updates' rows at once, after the GPU cache's write-back; ``preserve_headers``), keep arrays a clear drops."""
         with self.lock:
             if self.row_cache is not None:
                 self.row_cache.flush()
+            if self._pending:
+                frozen.preserve(self._pending.slots())
             self._frozen = (*self._frozen, frozen)
 
     def unpin(self, frozen) -> None:

@@ -203,8 +203,6 @@ class _Frozen:
         if positions is not None:
             disk = positions >= 0
             self.disk_meta = torch.zeros_like(ids).masked_scatter_(disk, store.cache.stamps(ids[disk]))
-        if store.pending_update is not None:  # rows a pending fused update is about to write
-            self.preserve(store.pending_update)
 
     @property
     def nbytes(self) -> int:

@@ -40,8 +40,7 @@ from torch import nn
 from torchrec_kvzch.params import AdmissionDefault, BucketRange, CachePolicy, KVZCHTableParams, OptimizerKind
 from torchrec_kvzch.table.rank_budget import SharedBudget
 from torchrec_kvzch.table.pending import UpdateHook
-from torchrec_kvzch.table.row_optimizers import (Hyper, OwnUpdate, apply, lookup_gradients, runs_itself,
-                                                 sample_weight_gradients)
+from torchrec_kvzch.table.row_optimizers import Hyper, OwnUpdate, apply, lookup_gradients, sample_weight_gradients
 from torchrec_kvzch.table.row_store import RowStore
 
 _PRECISION = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}
@@ -87,20 +86,15 @@ class TableTBE(nn.Module):
         self.store = RowStore(params, bucket_range, self.device, backend, initial_rows, budget)
         location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
-        # Adam, partial row-wise Adam and row-wise Adagrad with L2 decay: the table's own update
-        # (row_optimizers.py) in the backward of ``OwnUpdate``; fbgemm's TBE only looks up.
-        self._own = runs_itself(params)
+        # ``params.own_update`` (Adam, row-wise Adagrad with L2 decay, fp16 rows with a decay): the table's
+        # own update (row_optimizers.py) in the backward of ``OwnUpdate``; fbgemm's TBE only looks up.
+        self._own = params.own_update
         # Else weight decay: fbgemm's SGD has none and its CPU rowwise Adagrad drops it (measured:
         # tests/test_weight_decay.py), so the update hook shrinks the rows first (``_decay``).
         self._decays_itself = params.weight_decay > 0 and not self._own
         self._anchor = torch.zeros((), requires_grad=True)  # (what an own update's output hangs on)
 
         cache = self.store.row_cache
-        if cache is not None and cache.prefetch_pipeline and self._own:
-            raise ValueError(f"KV-ZCH table '{params.name}': device_cache.prefetch_pipeline with an update the table "
-                             f"runs itself ({params.optimizer.value}, weight decay {params.weight_decay_mode.value}), "
-                             "which fbgemm's prefetch pipeline would leave its cache lines locked for; drop "
-                             "prefetch_pipeline, or train with exact_rowwise_adagrad or exact_sgd")
 
         def one_row_tbe(cached: bool = False) -> SplitTableBatchedEmbeddingBagsCodegen:
             # cached: fbgemm's managed-caching placement; its cache is the store's (row_cache.py)
@@ -155,14 +149,17 @@ class TableTBE(nn.Module):
         scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``scores``: per id, what a training lookup adds to a feature-score table's rows."""
-        if self.embedding_cache and self.training and torch.is_grad_enabled():
-            with torch.no_grad():
-                return self.forward(ids, offsets, per_sample_weights, scores)
-        if not (self.training and (torch.is_grad_enabled() or self.embedding_cache)):
+        if not (self.training and torch.is_grad_enabled()):
             if self._prefetched:
                 raise RuntimeError(f"KV-ZCH table '{self.params.name}': an evaluation lookup while a prefetched "
                                    "training batch waits for its forward; train it first")
             return self._evaluate(ids, offsets, per_sample_weights)
+        if self.embedding_cache:  # (a training lookup, whose output trains nothing)
+            with torch.no_grad():
+                return self._train_lookup(ids, offsets, per_sample_weights, scores)
+        return self._train_lookup(ids, offsets, per_sample_weights, scores)
+
+    def _train_lookup(self, ids, offsets, per_sample_weights, scores) -> torch.Tensor:
         if self.store.row_cache is not None and self.store.pending_update is not None:
             raise RuntimeError(f"KV-ZCH table '{self.params.name}': a training forward before the previous one's "
                                "backward (a semi-sync pipeline) under a device cache: its cache fill could drop rows "

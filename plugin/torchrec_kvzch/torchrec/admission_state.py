@@ -19,6 +19,8 @@ the admission state cleared: ids with rows are admitted, the others start counti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
@@ -89,20 +91,26 @@ def merge(live: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], table: 
             block.copy_(blocks.float().mean(0).to(block.dtype))
 
 
-def load_admission(tbe: TableTBE, entries: dict) -> None:
-    """Load a state dict's admission entries of this same shard (``model.load_state_dict`` of
-    materialised or another model's entries); entries that are this table's own views (a DCP
-    load in place) need nothing."""
+def admission_load(tbe: TableTBE, entries: dict) -> Callable[[], None]:
+    """The load of a state dict's admission entries of this same shard (``model.load_state_dict``
+    of materialised or another model's entries), checked first; entries that are this table's
+    own views (a DCP load in place) need nothing, absent ones zero their state."""
+    copies = []
     for name, block in live_state(tbe).items():
         entry = entries.get(name)
-        if entry is None:
-            block.zero_()
-            continue
         local = entry.local_shards()[0].tensor if isinstance(entry, ShardedTensor) else entry
-        if local.data_ptr() == block.data_ptr():
+        if local is not None and local.data_ptr() == block.data_ptr():
             continue
-        if local.shape != block.shape:
+        if local is not None and local.shape != block.shape:
             raise ValueError(f"KV-ZCH table '{tbe.params.name}': its '{name}' entry is "
                              f"{list(local.shape)}, this shard's {list(block.shape)}: saved with "
                              "another admission sketch or world size; load it through DCP")
-        block.copy_(local)
+        copies.append((block, local))
+
+    def load() -> None:
+        for block, local in copies:
+            if local is None:
+                block.zero_()
+            else:
+                block.copy_(local)
+    return load

@@ -32,9 +32,9 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 
-from torchrec_kvzch.torchrec.admission_state import ADMISSION_ENTRIES, load_admission
-from torchrec_kvzch.torchrec.state_dict import (
-    TABLE_ENTRIES, UPSTREAM_ONLY_ENTRIES, kv_view, load_materialised, table_entries)
+from torchrec_kvzch.torchrec.admission_state import ADMISSION_ENTRIES, admission_load
+from torchrec_kvzch.torchrec.materialised import materialised_load
+from torchrec_kvzch.torchrec.state_dict import TABLE_ENTRIES, UPSTREAM_ONLY_ENTRIES, kv_view, table_entries
 from torchrec_kvzch.table.kv_tensor import KVTensor
 from torchrec_kvzch.params import KVZCHTableParams, RankBudget
 from torchrec_kvzch.torchrec.declarations import (
@@ -125,6 +125,7 @@ class _KVZCHModuleMixin:
         # TorchRec leaves CUSTOMIZED_KERNEL tables out of its state dict; ours add them.
         self._register_state_dict_hook(_add_kvzch_entries)
         self._register_load_state_dict_pre_hook(_take_kvzch_entries, with_module=True)
+        self.register_load_state_dict_post_hook(_load_kvzch_entries)
         scored = {t for t, ps in self.module_sharding_plan.items()  # (their KJT weights are scores: >= 0)
                   if getattr(ps, "kvzch", None) is not None and ps.kvzch.eviction.scores_from_weights}
         kvzch = {t for t, ps in self.module_sharding_plan.items() if getattr(ps, "kvzch", None) is not None}
@@ -266,30 +267,47 @@ def _add_kvzch_entries(module, destination, prefix, local_metadata):
     return destination
 
 
-def _take_kvzch_entries(module, state_dict, prefix, *args) -> None:
+def _take_kvzch_entries(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                        error_msgs) -> None:
     """Removes our tables' entries before TorchRec's own checks, and upstream TorchRec's
     ``{table}.metadata`` (its only entry we lack; any other unknown key is left for TorchRec's
-    strict check to report). Entries that are this model's own views (a state dict loaded in
-    place by DCP) need nothing more. Others are rows to load, at the same world size (``torch.load``,
-    upstream's materialised state dict, another model's, read chunk by chunk); upstream skips
-    virtual-table weights in this path, we load them, since the rows are at hand. The
-    fused optimizer's state views are then rebuilt over the loaded rows, so that its
-    ``load_state_dict`` writes the matching optimizer state into them (by each row's id when
-    it comes from another model's views)."""
-    loaded = False
+    strict check to report); a table without its ``weight`` entry is reported missing. Entries
+    that are this model's own views (a state dict loaded in place by DCP) need nothing more.
+    Others are rows to load, at the same world size (``torch.load``, upstream's materialised state
+    dict, another model's, read chunk by chunk; upstream skips virtual-table weights in this path,
+    we load them, since the rows are at hand): ``_load_kvzch_entries`` loads them once the module's
+    keys are known to match, so that a load torch refuses leaves the rows as they were."""
+    staged = []
     for name, tbe in kvzch_tables(module):
         base = f"{prefix}{module._tables_prefix}{name}."
         entries = {k: state_dict.pop(base + k) for k in TABLE_ENTRIES + UPSTREAM_ONLY_ENTRIES
                    if base + k in state_dict}
         admission = {k: state_dict.pop(base + k) for k in ADMISSION_ENTRIES if base + k in state_dict}
-        view = kv_view(entries.get("weight"))
-        if "weight" in entries and (view is None or view.store is not tbe.store):
-            part = RowPart.ROW if tbe.params.backend_return_whole_row else RowPart.WEIGHT
-            load_materialised(KVTensor(tbe.store, part), entries)
-            load_admission(tbe, admission)
-            loaded = True
-    if loaded:
-        _add_kvzch_entries(module, {}, prefix, None)
+        if "weight" not in entries:
+            missing_keys.append(base + "weight")
+            continue
+        view = kv_view(entries["weight"])
+        if view is None or view.store is not tbe.store:
+            staged.append((tbe, entries, admission))
+    module._kvzch_staged = (staged, prefix, strict, error_msgs)
+
+
+def _load_kvzch_entries(module, incompatible_keys) -> None:
+    """Load the rows ``_take_kvzch_entries`` staged, unless torch is about to refuse the load
+    (strict, with keys missing or unexpected so far, or errors). The fused optimizer's state
+    views are then rebuilt over the loaded rows, so that its ``load_state_dict`` writes the
+    matching optimizer state into them (by each row's id when it comes from another model's views)."""
+    staged, prefix, strict, error_msgs = module.__dict__.pop("_kvzch_staged", ((), "", False, ()))
+    refused = error_msgs or (strict and (incompatible_keys.missing_keys or incompatible_keys.unexpected_keys))
+    if not staged or refused:
+        return
+    loads = []  # (every table checked before any changes)
+    for tbe, entries, admission in staged:
+        part = RowPart.ROW if tbe.params.backend_return_whole_row else RowPart.WEIGHT
+        loads += [materialised_load(KVTensor(tbe.store, part), entries), admission_load(tbe, admission)]
+    for load in loads:
+        load()
+    _add_kvzch_entries(module, {}, prefix, None)
 
 
 # -- sharders ----------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def test_a_tables_own_kernel_settings_are_checked_like_the_sharders():
     assert planned(ParameterConstraints(output_dtype=DataType.FP32)).name == "user"
     own = KVZCHTableParams("user", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS, weight_dtype="fp16",
                            stochastic_rounding=True)
-    with pytest.raises(ValueError, match="KV-ZCH table 'user': its constraints .*set stochastic_rounding=False, "
+    with pytest.raises(ValueError, match="KV-ZCH table 'user': its constraints.*set stochastic_rounding=False, "
                                          "its KVZCHTableParams True; fix: declare it once"):
         planned(KVZCHConstraints(kvzch=own, stochastic_rounding=False), data_type=DataType.FP16)
     assert planned(KVZCHConstraints(kvzch=own, stochastic_rounding=True), data_type=DataType.FP16).stochastic_rounding
@@ -114,3 +114,55 @@ def train_with_extras(rank, world):
 
 def test_extras_reach_the_stores_on_two_ranks():
     assert run_ranks(2, train_with_extras) == [("lru", True, True)] * 2
+
+
+def _with_optimizer_in_backward(optimizer_class, kwargs, constraints=None, fused=FUSED):
+    """The planner's and the sharders' parameters of a table whose weight has ``optimizer_class``
+    applied in backward (TorchRec's ``apply_optimizer_in_backward``), beside one that has none."""
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    ebc = EmbeddingBagCollection(tables=[config(), config(name="item")], device=torch.device("meta"))
+    apply_optimizer_in_backward(optimizer_class, [ebc.embedding_bags["user"].weight], kwargs)
+    planner = KVZCHShardingPlanner(Topology(world_size=2, compute_device="cpu"), constraints=constraints)
+    plan = planner.plan(ebc, kvzch_sharders(fused)).plan[""]
+    from torchrec_kvzch.torchrec.in_backward import in_backward_params
+
+    shards = store_plan(ebc.embedding_bag_configs(), plan, fused, in_backward=in_backward_params(ebc, "embedding_bags"))
+    return plan, shards
+
+
+def test_an_optimizer_applied_in_backward_trains_its_table_as_in_torchrec():
+    """TorchRec takes the optimizer applied in backward to a table's weight as that table's fused
+    params over the sharders' (its ``embeddingbag.py``): the planner and the sharders read it the
+    same way; one with no kernel counterpart, a kwarg the kernels do not take, or one that
+    contradicts the table's own KVZCHTableParams is refused by name."""
+    from torchrec.optim import RowWiseAdagrad
+
+    from torchrec_kvzch.torchrec.in_backward import in_backward_params
+
+    plan, shards = _with_optimizer_in_backward(torch.optim.SGD, {"lr": 0.5})
+    for got in (plan, shards):
+        assert (got["user"].kvzch.optimizer.value, got["user"].kvzch.learning_rate) == ("exact_sgd", 0.5)
+        assert (got["item"].kvzch.optimizer.value, got["item"].kvzch.learning_rate) == ("exact_sgd", 0.05)
+    plan, _ = _with_optimizer_in_backward(RowWiseAdagrad, {"lr": 0.3, "eps": 1e-6})
+    assert (plan["user"].kvzch.optimizer.value, plan["user"].kvzch.learning_rate, plan["user"].kvzch.eps) == (
+        "exact_row_wise_adagrad", 0.3, 1e-6)
+    with pytest.raises(ValueError, match="KV-ZCH table 'user': optimizer 'exact_adagrad' is not supported"):
+        _with_optimizer_in_backward(torch.optim.Adagrad, {"lr": 0.1})
+    with pytest.raises(ValueError, match=r"KV-ZCH table 'user': the optimizer applied in backward .* sets "
+                                         r"\['momentum'\], which fbgemm's embedding kernels"):
+        _with_optimizer_in_backward(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    own = KVZCHTableParams("user", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS, optimizer="exact_sgd",
+                           learning_rate=0.2)
+    with pytest.raises(ValueError, match="KV-ZCH table 'user': its constraints, sharding or optimizer in backward "
+                                         "set learning_rate=0.5, its KVZCHTableParams 0.2; fix: declare it once"):
+        _with_optimizer_in_backward(torch.optim.SGD, {"lr": 0.5}, {"user": KVZCHConstraints(kvzch=own)})
+
+    class Lion(torch.optim.SGD):  # (an optimizer TorchRec has no embedding kernel for)
+        pass
+
+    ebc = EmbeddingBagCollection(tables=[config()], device=torch.device("meta"))
+    ebc.embedding_bags["user"].weight._optimizer_classes, ebc.embedding_bags["user"].weight._optimizer_kwargs = [Lion], [{}]
+    with pytest.raises(ValueError, match="KV-ZCH table 'user': the optimizer applied in backward to its weight, "
+                                         ".*Lion, has no embedding-kernel counterpart"):
+        in_backward_params(ebc, "embedding_bags")

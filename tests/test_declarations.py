@@ -30,7 +30,8 @@ from torchrec_kvzch.torchrec.declarations import VIRTUAL_KERNELS
 from torchrec_kvzch.torchrec.planner import KVZCHConstraints, KVZCHShardingPlanner
 
 ROWS, BUCKETS = 2**20, 8
-MEMORY = KeyValueParams(l2_cache_size=4)  # TorchRec's default trigger: past 4 GB
+MEMORY = KeyValueParams(l2_cache_size=4)  # TorchRec's default trigger: from 5 GiB (fbgemm: whole GiB > 4)
+FIVE_GIB = (5 << 30) - 1  # (trigger_bytes: a pass once the shard's bytes pass it)
 
 
 def config(policy=None, cls=EmbeddingBagConfig, name="t", **fields):
@@ -43,17 +44,18 @@ def config(policy=None, cls=EmbeddingBagConfig, name="t", **fields):
     (None, None, EvictionPolicy()),
     (NoEvictionPolicy(), None, EvictionPolicy()),
     (TimestampBasedEvictionPolicy(eviction_ttl_mins=90), MEMORY,
-     EvictionPolicy(kind="ttl", ttl_minutes=90, trigger="bytes", trigger_bytes=4 << 30)),
+     EvictionPolicy(kind="ttl", ttl_minutes=90, trigger="bytes", trigger_bytes=FIVE_GIB)),
     (TimestampBasedEvictionPolicy(eviction_ttl_mins=0), None, EvictionPolicy()),  # 0: no eviction
     (CountBasedEvictionPolicy(eviction_threshold=3, decay_rate=0.5), MEMORY,
-     EvictionPolicy(kind="lfu", count_threshold=3, count_decay=0.5, trigger="bytes", trigger_bytes=4 << 30)),
+     EvictionPolicy(kind="lfu", count_threshold=3, count_decay=0.5, trigger="bytes", trigger_bytes=FIVE_GIB)),
     (CountTimestampMixedEvictionPolicy(eviction_threshold=2, decay_rate=0.9, eviction_ttl_mins=60), MEMORY,
      EvictionPolicy(kind="lfu", count_threshold=2, count_decay=0.9, ttl_minutes=60, trigger="bytes",
-                    trigger_bytes=4 << 30)),
-    (CountTimestampMixedEvictionPolicy(eviction_threshold=0, eviction_ttl_mins=60), MEMORY,
-     EvictionPolicy(kind="ttl", ttl_minutes=60, trigger="bytes", trigger_bytes=4 << 30)),
+                    trigger_bytes=FIVE_GIB)),
+    # fbgemm's mixed rule evicts nothing when either value is 0
+    (CountTimestampMixedEvictionPolicy(eviction_threshold=0, eviction_ttl_mins=60), MEMORY, EvictionPolicy()),
+    (CountTimestampMixedEvictionPolicy(eviction_threshold=5, eviction_ttl_mins=0), MEMORY, EvictionPolicy()),
     (FeatureL2NormBasedEvictionPolicy(eviction_threshold=0.25), MEMORY,
-     EvictionPolicy(kind="l2", l2_threshold=0.25, trigger="bytes", trigger_bytes=4 << 30)),
+     EvictionPolicy(kind="l2", l2_threshold=0.25, trigger="bytes", trigger_bytes=FIVE_GIB)),
     (CountBasedEvictionPolicy(eviction_threshold=3, training_id_eviction_trigger_count=500),
      KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=4)),
      EvictionPolicy(kind="lfu", count_threshold=3, count_decay=0.99, trigger="rows", trigger_rows=500)),
@@ -70,12 +72,12 @@ def config(policy=None, cls=EmbeddingBagConfig, name="t", **fields):
     (FeatureScoreBasedEvictionPolicy(training_id_keep_count=600, enable_auto_feature_score_collection=True,
                                      feature_score_mapping={"f_t": 2.0}, feature_score_default_value=0.5), MEMORY,
      EvictionPolicy(kind="feature_score", keep_rows=600, count_decay=0.99, feature_scores={"f_t": 2.0},
-                    default_feature_score=0.5, trigger="bytes", trigger_bytes=4 << 30, decay_interval_minutes=24 * 60)),
+                    default_feature_score=0.5, trigger="bytes", trigger_bytes=FIVE_GIB, decay_interval_minutes=24 * 60)),
     (FeatureScoreBasedEvictionPolicy(training_id_keep_count=600, enable_eviction=False), None,
      EvictionPolicy(kind="feature_score", keep_rows=600, count_decay=0.99, trigger="manual",
                     decay_interval_minutes=24 * 60)),
     (FeatureScoreBasedEvictionPolicy(eviction_ttl_mins=30, training_id_keep_count=600), MEMORY,
-     EvictionPolicy(kind="ttl", ttl_minutes=30, trigger="bytes", trigger_bytes=4 << 30)),
+     EvictionPolicy(kind="ttl", ttl_minutes=30, trigger="bytes", trigger_bytes=FIVE_GIB)),
     (TimestampBasedEvictionPolicy(eviction_ttl_mins=5),
      KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=5,
                                                      eviction_free_mem_threshold_gb=2,
@@ -101,6 +103,13 @@ def test_every_upstream_eviction_policy_maps_to_ours(policy, key_value, expected
     (CountBasedEvictionPolicy(), KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(kvzch_eviction_trigger_mode=4)),
      "training_id_eviction_trigger_count is 0"),
     (CountBasedEvictionPolicy(decay_rate=1.5), MEMORY, "count_decay must be in"),
+    (FeatureScoreBasedEvictionPolicy(training_id_keep_count=5, feature_score_default_value=1.0), MEMORY,
+     "feature_score_default_value is read only with enable_auto_feature_score_collection=True"),
+    (TimestampBasedEvictionPolicy(eviction_ttl_mins=5), KeyValueParams(l2_cache_size=1.5),
+     r"KeyValueParams.l2_cache_size=1.5 is the memory trigger's threshold, a whole number of GB"),
+    (TimestampBasedEvictionPolicy(eviction_ttl_mins=5), KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(
+        kvzch_eviction_trigger_mode=5, eviction_free_mem_threshold_gb=4, eviction_free_mem_check_interval_batch=0)),
+     "eviction_free_mem_check_interval_batch=0 is not a positive integer"),
     (None, KeyValueParams(enable_raw_embedding_streaming=True), "enable_raw_embedding_streaming is not supported"),
     (None, KeyValueParams(ps_hosts=(("::1", 2000),)), "ps_hosts is not supported"),
     (None, KeyValueParams(load_ckpt_without_opt=True), "load_optimizer=False"),
@@ -165,7 +174,7 @@ def test_ssd_kernels_with_a_directory_and_a_dram_cache_keep_their_rows_on_disk(c
                           "ssd_virtual_table", KeyValueParams(ssd_storage_directory="/data/nvme", l2_cache_size=2))
     assert params.storage == DiskStorage("/data/nvme", shard_cache_bytes=2 << 30)
     assert params.eviction == EvictionPolicy(kind="lfu", count_threshold=3, count_decay=0.5, trigger="bytes",
-                                             trigger_bytes=2 << 30)
+                                             trigger_bytes=(3 << 30) - 1)
     # Beside the table's own KVZCHTableParams, the declared tier is kept; another one contradicts it.
     disk = KeyValueParams(ssd_storage_directory="/data/nvme", l2_cache_size=2)
     own = KVZCHTableParams("t", 16, num_embeddings=ROWS, total_num_buckets=BUCKETS)
@@ -255,6 +264,56 @@ def test_our_planner_plans_upstream_declarations_without_a_batch_size():
             upstream_model(), kvzch_sharders())
     with pytest.raises(ValueError, match="training_id_keep_count is 0"):
         KVZCHShardingPlanner(topology).plan(upstream_model(FeatureScoreBasedEvictionPolicy()), kvzch_sharders())
+
+
+def test_a_module_mixing_feature_score_eviction_with_other_policies_is_refused_while_planning():
+    """TorchRec feeds feature scores to every virtual table of a module once one evicts by them,
+    and asserts the rest do too while sharding, naming no table: our planner refuses it first,
+    naming both sides; a whole row's header of another width is refused too."""
+    scored = FeatureScoreBasedEvictionPolicy(training_id_keep_count=10)
+    planner = KVZCHShardingPlanner(Topology(world_size=1, compute_device="cpu"))
+    for other in (NoEvictionPolicy(), TimestampBasedEvictionPolicy(eviction_ttl_mins=5)):
+        ebc = EmbeddingBagCollection(tables=[config(scored, name="scored"), config(other, name="other")],
+                                     device=torch.device("meta"))
+        with pytest.raises(ValueError, match=r"KV-ZCH tables \['scored'\] evict by feature score and "
+                                             r"\['other'\], in the same module"):
+            planner.plan(ebc, kvzch_sharders())
+    planner = KVZCHShardingPlanner(Topology(world_size=1, compute_device="cpu"),
+                                   constraints={"scored": ParameterConstraints(key_value_params=MEMORY)})
+    plan = planner.plan(EmbeddingBagCollection(tables=[config(scored, name="scored"), config(name="none")],
+                                               device=torch.device("meta")), kvzch_sharders())
+    assert plan.plan[""]["none"].kvzch.eviction == EvictionPolicy()  # (no policy at all: fine)
+    policy = TimestampBasedEvictionPolicy(eviction_ttl_mins=5)
+    policy.meta_header_len = 3
+    with pytest.raises(ValueError, match="KV-ZCH table 't': TimestampBasedEvictionPolicy.meta_header_len=3: a whole "
+                                         "row's header is 16 bytes"):
+        table_params(config(policy), KVZCH_KERNEL, MEMORY)
+
+
+def test_kvzch_tables_inside_feature_processed_or_managed_collision_modules_are_refused():
+    """Position weights would get no gradient under the row-wise sharding KV-ZCH tables take, and a
+    managed-collision module would remap ids on each rank apart: both refused by name, naming the fix."""
+    from torchrec.modules.feature_processor_ import PositionWeightedModule
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import (DistanceLFU_EvictionPolicy, ManagedCollisionCollection,
+                                             MCHManagedCollisionModule)
+
+    table = config(name="t")
+    planner = KVZCHShardingPlanner(Topology(world_size=1, compute_device="cpu"))
+    weighted = EmbeddingBagCollection(tables=[table], device=torch.device("meta"), is_weighted=True)
+    fp = FeatureProcessedEmbeddingBagCollection(weighted, {"f_t": PositionWeightedModule(max_feature_length=4)})
+    with pytest.raises(ValueError, match="KV-ZCH table 't' is inside a FeatureProcessedEmbeddingBagCollection; "
+                                         ".*weights would never train; fix: "):
+        planner.plan(fp, kvzch_sharders())
+    ebc = EmbeddingBagCollection(tables=[table], device=torch.device("meta"))
+    module = MCHManagedCollisionModule(zch_size=table.num_embeddings, device=torch.device("cpu"), eviction_interval=1,
+                                       eviction_policy=DistanceLFU_EvictionPolicy(), input_hash_size=2**40)
+    collisions = ManagedCollisionCollection({"t": module}, [table])
+    mc = ManagedCollisionEmbeddingBagCollection(ebc, collisions, return_remapped_features=True)
+    with pytest.raises(ValueError, match="KV-ZCH table 't' is inside a ManagedCollisionEmbeddingBagCollection; "
+                                         ".*remap ids on each rank apart; fix: drop it"):
+        planner.plan(mc, kvzch_sharders())
 
 
 def test_torchrecs_stock_planner_takes_our_sharders():

@@ -22,7 +22,7 @@ class ScoreModel(Model):
     """fbgemm's rule in plain Python, row by row (``feature_evict.h``): each occurrence adds
     its score; a pass decays every score (fp32 of the fp64 product), puts them in buckets
     (0: below 1e-9; b: ``int(score / width) + 1``; the last: the rest) and drops every zero
-    score if those suffice, else the rows scoring below ``b * width`` for the first bucket
+    score if those suffice, else the rows scoring at most ``b * width`` for the first bucket
     ``b`` whose running count reaches the excess over ``keep_rows`` (the buckets hold the scores
     before the decay, the comparison takes them after it). Budgets drop the lowest
     (score, timestamp, id) first; the batch's own rows are never dropped for it. (``Model``'s
@@ -63,7 +63,7 @@ class ScoreModel(Model):
                 if held >= excess:
                     cut = b
                     break
-            doomed = {i for i, (_, s) in self.rows.items() if float(s) < cut * p.score_bucket_width}
+            doomed = {i for i, (_, s) in self.rows.items() if float(s) <= cut * p.score_bucket_width}
         return doomed - protected
 
     def bucket(self, s):
@@ -140,15 +140,16 @@ def test_cut_is_fbgemms_bucket_threshold():
     assert lowest_scores(s, 5, 0.2, 10).sum() == 3
     # 4 to drop: bucket 2 [0.2, 0.4) holds both 0.3s: cut at 0.4, 5 rows go (one more than asked)
     assert lowest_scores(s, 4, 0.2, 10).sum() == 5
-    # the cut is strict, as fbgemm's: scores equal to it are in the next bucket and stay
-    assert lowest_scores(torch.tensor([0.25, 0.5, 0.5, 1.0]), 3, 0.5, 10).tolist() == [True, False, False, False]
+    # the cut takes scores equal to it, as fbgemm's (``overall_ratio <= threshold`` since 1.6),
+    # though they sit in the next bucket
+    assert lowest_scores(torch.tensor([0.25, 0.5, 0.5, 1.0]), 3, 0.5, 10).tolist() == [True, True, True, False]
     # integer scores land on bucket edges: 3 rows of 0.9 (bucket 5), 3 of 1.0 (bucket 6), 3 of 2.0;
-    # 2 to drop -> the cut is bucket 5, 1.0: only the 0.9s go (fbgemm keeps 6 rows, not 3)
+    # 2 to drop -> the cut is bucket 5, 1.0: the 0.9s and the 1.0s go (fbgemm keeps 3 rows)
     s9 = torch.tensor([0.9] * 3 + [1.0] * 3 + [2.0] * 3)
-    assert lowest_scores(s9, 7, 0.2, 1000).tolist() == [True] * 3 + [False] * 6
+    assert lowest_scores(s9, 7, 0.2, 1000).tolist() == [True] * 6 + [False] * 3
     # the cut comes from the scores before a decay; the decayed ones are compared with it
-    decayed = s9 * 0.5  # 0.45, 0.5, 1.0: all but the 1.0s are below the cut of 1.0
-    assert lowest_scores(s9, 7, 0.2, 1000, decayed).tolist() == [True] * 6 + [False] * 3
+    decayed = s9 * 0.5  # 0.45, 0.5, 1.0: all at most the cut of 1.0 (one from them, 0.6, would keep the 1.0s)
+    assert lowest_scores(s9, 7, 0.2, 1000, decayed).tolist() == [True] * 9
     # a score past the last bucket's start counts in it: 2 buckets of 0.2, 7 to drop -> the cut is 0.2
     assert lowest_scores(s, 1, 0.2, 2).tolist() == [True] * 3 + [False] * 5
 

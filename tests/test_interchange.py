@@ -326,8 +326,9 @@ def load_state_dict_across(rank, world):
     except RuntimeError as e:
         out["bogus"] = str(e)
 
-    # A load refused (an unknown key, a table's weight missing, one table's rows of another
-    # width) changes no table, the one checked first included; not strict, a missing weight is reported.
+    # A strict load refused (an unknown key, a table's weight missing) leaves the KV-ZCH rows, and
+    # one refused for a table's entries (rows of another width) changes no table, ordinary ones
+    # included. Not strict, a missing weight is reported and the other tables load.
     other = build()
     train(other, 90 + rank)
     theirs, before = other.state_dict(), all_rows(fresh)
@@ -336,14 +337,20 @@ def load_state_dict_across(rank, world):
     for change in ({"embedding_bags.t.bogus": torch.zeros(1)}, {"embedding_bags.u.weight": None},
                    {"embedding_bags.u.weight": wide}):
         state = {k: v for k, v in {**theirs, **change}.items() if v is not None}
+        plain = fresh.state_dict()["embedding_bags.plain.weight"].local_shards()[0].tensor.clone()
         try:
             fresh.load_state_dict(state)
         except (RuntimeError, ValueError) as e:
-            out["refused"].append((str(e).splitlines()[0] + str(e)).count("embedding_bags.u.weight") > 0
-                                  or "KV-ZCH table 'u'" in str(e) or "bogus" in str(e))
+            out["refused"].append("embedding_bags.u.weight" in str(e) or "KV-ZCH table 'u'" in str(e)
+                                  or "bogus" in str(e))
+            if "KV-ZCH table 'u'" in str(e):
+                out["plain unchanged"] = torch.equal(
+                    fresh.state_dict()["embedding_bags.plain.weight"].local_shards()[0].tensor, plain)
     out["unchanged after refusals"] = same_rows(all_rows(fresh), before)
     result = fresh.load_state_dict({k: v for k, v in theirs.items() if k != "embedding_bags.u.weight"}, strict=False)
     out["missing reported"] = "embedding_bags.u.weight" in result.missing_keys
+    got, want_t = all_rows(fresh), {k: v for k, v in all_rows(other).items() if k[0] == "t"}
+    out["not strict loads the rest"] = same_rows({k: v for k, v in got.items() if k[0] == "t"}, want_t)
 
     # weight_id shards are plain int64 tensors sharing the snapshot's ids; weights stay lazy.
     state = source.state_dict()
@@ -371,6 +378,7 @@ def test_load_state_dict_from_another_model_and_from_upstream(pools):
         assert out["other model"] and out["upstream"] and out["upstream history"]
         assert out["bogus"] is not None and "embedding_bags.t.bogus" in out["bogus"]
         assert out["refused"] == [True, True, True] and out["unchanged after refusals"] and out["missing reported"]
+        assert out["plain unchanged"] and out["not strict loads the rest"]
         assert out["snapshot names"] == sorted(name for name, _ in TABLES)
         assert out["prefixed"] == sorted(f"p.{name}" for name, _ in TABLES)
 
@@ -455,3 +463,52 @@ def test_a_dense_weight_loads_row_by_id_only_when_it_covers_the_shard():
             materialised_load(KVTensor(half, RowPart.WEIGHT), {"weight": weight})
         assert torch.equal(torch.sort(half.keys()).values, torch.tensor([40]))  # refused before any change
         assert torch.equal(half.read_ids(torch.tensor([40])), before)
+
+
+# -- 5. DCP's own planners, writers and checkpointers where they cannot serve ---------------------
+def dcp_misuses(rank, world, path):
+    """What each misuse raises, and whether the table and the checkpoint stayed as they were."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from torchrec_kvzch import KVZCHAsyncStager
+
+    model = build()
+    train(model, 50 + rank)
+    dcp.save(state_of(model), checkpoint_id=path, planner=KVZCHSavePlanner())
+    other = build()
+    train(other, 60 + rank)
+    before, errors = all_rows(other), {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except (Exception, CheckpointException) as e:  # (DCP wraps a rank's error in one: a BaseException)
+            errors[name] = str(e)
+
+    attempt("default load", lambda: dcp.load(state_of(other), checkpoint_id=path, planner=DefaultLoadPlanner()))
+    attempt("default save", lambda: dcp.save(state_of(other), checkpoint_id=path + "-default"))
+    attempt("no overwrite", lambda: dcp.save(state_of(other), planner=KVZCHSavePlanner(),
+                                             storage_writer=FileSystemWriter(path, overwrite=False)))
+    stager = KVZCHAsyncStager()
+    attempt("process", lambda: dcp.async_save(state_of(other), checkpoint_id=path + "-process", planner=KVZCHSavePlanner(),
+                                              async_stager=stager,
+                                              async_checkpointer_type=AsyncCheckpointerType.PROCESS).result())
+    unchanged = same_rows(all_rows(other), before)
+    state = state_of(other)
+    dcp.load(state, checkpoint_id=path, planner=KVZCHLoadPlanner(checkpoint_id=path))  # (still whole)
+    other.load_state_dict(state["model"])
+    return errors, unchanged, same_rows(all_rows(other), all_rows(model))
+
+
+def test_dcps_own_planners_and_process_checkpointer_are_refused_and_change_nothing(pools, tmp_path):
+    """DCP's default planners copy row entries by position (a KV-ZCH table's rows go by id), and its
+    process-based async checkpointer pickles the staged rows away from their snapshot: each is refused
+    naming the fix, the table as it was; a writer that refuses to overwrite leaves the checkpoint loadable."""
+    errors, unchanged, restored = pools[1].run(dcp_misuses, str(tmp_path / "ckpt"))[0]
+    assert "DCP's default planners load a row entry by position" in errors["default load"]
+    assert "DCP's default planners save a row entry by position" in errors["default save"]
+    assert "KVZCHLoadPlanner(checkpoint_id=path)" in errors["default load"]
+    assert "Checkpoint already exists" in errors["no overwrite"]
+    assert "AsyncCheckpointerType.THREAD" in errors["process"]
+    assert unchanged and restored

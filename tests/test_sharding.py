@@ -12,6 +12,7 @@ import random
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.tbe.ssd.utils.partially_materialized_tensor import PartiallyMaterializedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
     calculate_shard_sizes_and_offsets,
@@ -113,8 +114,11 @@ def build(world_size, case, universe, twin: bool, device=torch.device("cpu")):
             seed = params[name].init_seed if name in params else 1
             for shard in state[key].local_shards():
                 start, n = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
-                rows = uniform_by_id_torch(ids[start:start + n], shard.tensor.shape[1], -0.5, 0.5, seed)
-                shard.tensor.copy_(rows.to(device))
+                rows = uniform_by_id_torch(ids[start:start + n], shard.tensor.shape[1], -0.5, 0.5, seed).to(device)
+                if isinstance(shard.tensor, PartiallyMaterializedTensor):  # (a KV-ZCH chunk: rows go by id)
+                    shard.tensor.set_weights_and_ids(rows, ids[start:start + n].to(device))
+                else:
+                    shard.tensor.copy_(rows)
     return dmp
 
 

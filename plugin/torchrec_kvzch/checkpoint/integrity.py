@@ -65,14 +65,18 @@ def item_key(index: MetadataIndex) -> str:
 class ChecksumRecorder:
     """Collects one rank's item checksums during a save (from any writer thread)."""
 
-    def __init__(self, directory: str, rank: int, is_coordinator: bool) -> None:
+    def __init__(self, directory: str, rank: int) -> None:
         self.directory = directory
         self.path = os.path.join(directory, checksum_file(rank))
         self._sums: dict[str, int] = {}
-        if is_coordinator:  # before the plan collective, so before any rank writes its file
-            for stale in glob.glob(os.path.join(directory, _PATTERN.format(rank="*"))):
-                os.remove(stale)
         self._lock = threading.Lock()
+
+    def remove_stale(self) -> None:
+        """Remove an earlier save's side files from the folder: on the coordinator, once every rank's
+        writer has accepted the folder (a writer refusing to overwrite leaves them) and before any
+        rank writes its own."""
+        for stale in glob.glob(os.path.join(self.directory, _PATTERN.format(rank="*"))):
+            os.remove(stale)
 
     def add(self, index: MetadataIndex, data: torch.Tensor | io.BytesIO) -> None:
         value = checksum(data)

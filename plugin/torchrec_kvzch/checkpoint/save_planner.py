@@ -50,8 +50,7 @@ class KVZCHSavePlanner(DefaultSavePlanner):
         _check_snapshots(self.state_dict)
         directory = getattr(storage_meta, "checkpoint_id", None)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self._checksums = (ChecksumRecorder(str(directory), rank, is_coordinator)
-                           if directory is not None else None)
+        self._checksums = ChecksumRecorder(str(directory), rank) if directory is not None else None
         self._unwritten: Counter = Counter()  # snapshot -> its chunks not materialised yet
         self._items_left = 0
         self._lock = threading.Lock()  # writers resolve items from several threads
@@ -114,6 +113,8 @@ class KVZCHSavePlanner(DefaultSavePlanner):
         # Side files need a local folder (the writer has created it while planning).
         local = self._checksums is not None and os.path.isdir(self._checksums.directory)
         files = [checksum_file(r) for r in range(len(all_plans))] if local else []
+        if local:
+            self._checksums.remove_stale()
         # (A cached plan's metadata already holds a record: replaced, not wrapped.)
         mappings = {k: v for k, v in (metadata.planner_data or {}).items() if k != PLANNER_DATA_KEY}
         mappings[PLANNER_DATA_KEY] = {"format": FORMAT, "tables": tables, "checksum_files": files,

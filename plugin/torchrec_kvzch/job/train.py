@@ -42,7 +42,6 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from tqdm import tqdm
 
-from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.job.cli import check_args, job_config, parse_args
 from torchrec_kvzch.job.model import dlrm, plan_model
 from torchrec_kvzch.job.trainer import PeerLost, Trainer, resume_advice

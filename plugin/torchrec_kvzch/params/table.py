@@ -162,7 +162,8 @@ class KVZCHTableParams:
             fail("device_cache", f"prefetch_pipeline with an update the table runs itself ({self.optimizer.value}, "
                  f"weight decay {self.weight_decay_mode.value}, {self.weight_dtype} rows), which fbgemm's prefetch "
                  "pipeline would leave its cache lines locked for",
-                 "drop prefetch_pipeline, or train with exact_rowwise_adagrad or exact_sgd (fp32 rows with a decay)")
+                 "drop prefetch_pipeline, or train with exact_sgd or exact_rowwise_adagrad (with a weight decay: fp32 "
+                 "rows, mode decouple)")
         if self.device_cache.prefetch_pipeline and self.eviction.in_lookups:
             fail("device_cache", "prefetch_pipeline with eviction in the lookups (a budget, or a pass on an automatic "
                  "trigger): a prefetch looks the next batch up before this one's backward, when no row may move",

@@ -369,7 +369,7 @@ def lowest_scores(scores: torch.Tensor, keep: int, width: float, buckets: int,
     none if at most ``keep`` rows; every zero score if those alone leave at most ``keep``;
     else, with scores in buckets (0: zero; ``b``: ``[(b - 1) * width, b * width)``; the last
     also every higher score), the smallest ``b`` whose buckets up to it hold enough rows, and
-    every row scoring below ``b * width`` goes. ``scores`` set the cut, which ``decayed`` (the
+    every row scoring at most ``b * width`` goes (fbgemm 1.6 on: ``<=``). ``scores`` set the cut, which ``decayed`` (the
     same rows after the pass's decay; default: ``scores``) are compared with."""
     decayed = scores if decayed is None else decayed
     excess = scores.numel() - keep
@@ -383,7 +383,7 @@ def lowest_scores(scores: torch.Tensor, keep: int, width: float, buckets: int,
     bucket[wide >= buckets * width] = buckets - 1  # (also where the quotient overflowed int64)
     held = torch.bincount(bucket, minlength=buckets).cumsum(0)
     cut = max(1, int(torch.searchsorted(held, excess)))
-    return decayed.double() < cut * width
+    return decayed.double() <= cut * width
 
 
 def _available_memory() -> int:

@@ -26,12 +26,11 @@ import numbers
 import os
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.modules.embedding_configs import (
-    BaseEmbeddingConfig, CountBasedEvictionPolicy, CountTimestampMixedEvictionPolicy, DataType, EmbeddingBagConfig,
-    FeatureL2NormBasedEvictionPolicy, FeatureScoreBasedEvictionPolicy, NoEvictionPolicy, TimestampBasedEvictionPolicy)
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, EmbeddingBagConfig
 
 from torchrec_kvzch.params import (OPTIMIZER_DEFAULTS, DiskStorage, EvictionPolicy, KVZCHTableParams, OptimizerKind,
                                    WeightDecayMode)
+from torchrec_kvzch.torchrec.eviction_declarations import eviction_policy
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +46,6 @@ VIRTUAL_KERNELS = tuple(EmbeddingComputeKernel[name].value
 DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16"}  # TorchRec data type -> weight_dtype
 # TorchRec's init range for virtual tables that do not set one (its SSD/DRAM TBE's default).
 _DEFAULT_INIT = {"fp32": math.sqrt(1 / 4_000_000_000), "fp16": 0.001}
-
-# fbgemm's trigger modes (KVZCHTBEConfig.kvzch_eviction_trigger_mode)
-_DISABLED, _ITERATION, _MEMORY, _MANUAL, _ID_COUNT, _FREE_MEMORY = range(6)
 
 # fused_params keys (and KeyValueParams fields) that place, cache or report rows (TorchRec's
 # FUSED / SSD kernels): nothing a DRAM store computes depends on them.
@@ -94,8 +90,8 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
     ``kernel`` with ``key_value_params``, sharded with ``fused_params``), merged with its
     ``KVZCHTableParams`` when it has some (``explicit``), or with the ``EXTRA_FIELDS`` its
     ``KVZCHConstraints`` set (``extras``, which win over the fused params as a table's own do).
-    ``own``: the fused params among ``fused_params`` that the table's own constraints or
-    sharding set (``table_own_fields``), which ``explicit`` may not contradict."""
+    ``own``: the fused params among ``fused_params`` that the table itself sets (its constraints or
+    sharding: ``table_own_fields``; its optimizer in backward), which ``explicit`` may not contradict."""
     name = config.name
 
     def fail(problem: str, fix: str):
@@ -132,9 +128,10 @@ def table_params(config: BaseEmbeddingConfig, kernel: str = KVZCH_KERNEL, key_va
                "(device memory on CUDA), not on SSD; for a disk tier under a DRAM cache give "
                "KeyValueParams(ssd_storage_directory=..., l2_cache_size=<GB of DRAM rows per table shard>)")
     check_key_value_params(name, key_value_params, honoured={"ssd_storage_directory"} if storage.enabled else set())
-    eviction = eviction_policy(name, config.virtual_table_eviction_policy, key_value_params)
-    optimizer = _optimizer_fields(name, fused_params or {})
     dtype = DTYPES[config.data_type]
+    eviction = eviction_policy(name, config.virtual_table_eviction_policy, key_value_params,
+                               2 if dtype == "fp16" else 4)
+    optimizer = _optimizer_fields(name, fused_params or {})
     if explicit is not None:
         return _merge(config, explicit, dtype, eviction, storage, optimizer, own or {}, fail)
     if "eviction" in extras and eviction.enabled:
@@ -164,10 +161,10 @@ def table_own_fields(sharding_or_constraints) -> dict:
             if (value := getattr(sharding_or_constraints, key, None)) is not None}
 
 
-def table_fused_params(fused_params: dict | None, sharding_or_constraints) -> dict:
-    """The sharders' fused params with the table's own settings (``table_own_fields``) over
-    theirs: checked alike, so that a value our kernel cannot honour is refused either way."""
-    return {**(fused_params or {}), **table_own_fields(sharding_or_constraints)}
+def table_fused_params(fused_params: dict | None, sharding_or_constraints, in_backward: dict | None = None) -> dict:
+    """The sharders' fused params, under the optimizer applied in backward to the table's weight (``in_backward.py``)
+    and its own settings (``table_own_fields``), as TorchRec merges them: all checked alike."""
+    return {**(fused_params or {}), **(in_backward or {}), **table_own_fields(sharding_or_constraints)}
 
 
 def _merge(config, explicit: KVZCHTableParams, dtype: str, eviction: EvictionPolicy, storage,
@@ -195,116 +192,15 @@ def _merge(config, explicit: KVZCHTableParams, dtype: str, eviction: EvictionPol
         fail(f"its KeyValueParams declare a disk tier ({storage}), its KVZCHTableParams another "
              f"({explicit.storage})", "declare the disk tier once: in KeyValueParams or in KVZCHTableParams.storage")
     unset = explicit.defaulted or frozenset()
-    rounding = own.get("stochastic_rounding")
-    if rounding is not None and "stochastic_rounding" not in unset and rounding != explicit.stochastic_rounding:
-        fail(f"its constraints (or sharding) set stochastic_rounding={rounding}, its KVZCHTableParams "
-             f"{explicit.stochastic_rounding}", "declare it once, or make them agree")
+    for key, value in _optimizer_fields(config.name, own).items():  # (the table's own: may not contradict)
+        if key not in unset and value != getattr(explicit, key):
+            fail(f"its constraints, sharding or optimizer in backward set {key}={getattr(value, 'value', value)}, "
+                 f"its KVZCHTableParams {getattr(getattr(explicit, key), 'value', getattr(explicit, key))}",
+                 "declare it once, or make them agree")
     filled = {k: v for k, v in optimizer.items() if k in unset}  # (still not the table's own)
     if storage.enabled:
         filled["storage"] = storage
     return dataclasses.replace(explicit, **filled)
-
-
-def eviction_policy(table: str, policy, key_value_params=None) -> EvictionPolicy:
-    """The ``EvictionPolicy`` doing what TorchRec's ``virtual_table_eviction_policy`` and its
-    trigger settings (``KeyValueParams.kvzch_tbe_config``, ``l2_cache_size``) describe."""
-    def fail(problem: str, fix: str):
-        raise ValueError(f"KV-ZCH table '{table}': {problem}; fix: {fix}")
-
-    if policy is None or isinstance(policy, NoEvictionPolicy):
-        return EvictionPolicy()
-    kind = type(policy).__name__
-    if isinstance(policy, FeatureScoreBasedEvictionPolicy):
-        rule = _feature_score(policy, key_value_params, fail)
-        if not policy.enable_eviction:  # fbgemm never evicts it: no trigger of its starts a pass
-            return EvictionPolicy(**rule, trigger="manual").validate(table)
-    elif isinstance(policy, TimestampBasedEvictionPolicy):
-        rule = dict(kind="ttl", ttl_minutes=policy.eviction_ttl_mins) if policy.eviction_ttl_mins else None
-    elif isinstance(policy, CountBasedEvictionPolicy):
-        rule = (dict(kind="lfu", count_threshold=policy.eviction_threshold,
-                     count_decay=policy.decay_rate) if policy.eviction_threshold else None)
-    elif isinstance(policy, CountTimestampMixedEvictionPolicy):
-        ttl = dict(ttl_minutes=policy.eviction_ttl_mins) if policy.eviction_ttl_mins else {}
-        if policy.eviction_threshold:
-            rule = dict(kind="lfu", count_threshold=policy.eviction_threshold,
-                        count_decay=policy.decay_rate, **ttl)
-        else:  # "0 means no eviction based on count"
-            rule = dict(kind="ttl", **ttl) if ttl else None
-    elif isinstance(policy, FeatureL2NormBasedEvictionPolicy):
-        rule = dict(kind="l2", l2_threshold=policy.eviction_threshold) if policy.eviction_threshold else None
-    else:
-        fail(f"eviction policy {kind} is unknown", "use one of TorchRec's VirtualTableEvictionPolicy "
-             "classes, or KVZCHTableParams(eviction=EvictionPolicy(...))")
-    if rule is None:  # the policy's own "0 means no eviction"
-        return EvictionPolicy()
-    rule.update(_trigger(table, kind, policy, key_value_params, fail))
-    try:
-        return EvictionPolicy(**rule).validate(table)
-    except ValueError as e:
-        fail(f"{kind} does not map to an eviction policy ({e})", "check its thresholds")
-
-
-_DECAY_MINUTES = 24 * 60  # fbgemm's interval_for_feature_statistics_decay_s, which TorchRec leaves at its default
-
-
-def _feature_score(policy, key_value_params, fail) -> dict:
-    """``FeatureScoreBasedEvictionPolicy`` as fbgemm runs it: a TTL instead of scores when
-    ``eviction_ttl_mins`` is set; scores per feature with automatic collection, else the KJT's
-    weights; the cut's buckets from ``KVZCHTBEConfig``. (With ``enable_eviction=False`` scores
-    are kept and a pass runs only when asked for.)"""
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import KVZCHTBEConfig
-
-    if policy.eviction_ttl_mins:  # (the inference_* fields: publishing only, unread in training upstream too)
-        return dict(kind="ttl", ttl_minutes=policy.eviction_ttl_mins)
-    if policy.feature_score_mapping and not policy.enable_auto_feature_score_collection:
-        fail("feature_score_mapping is read only with enable_auto_feature_score_collection=True (without it "
-             "the scores are the KJT's weights)", "set enable_auto_feature_score_collection=True, or drop the mapping")
-    if not policy.training_id_keep_count:
-        fail("FeatureScoreBasedEvictionPolicy.training_id_keep_count is 0: each pass would evict every row",
-             "set the rows to keep per table shard")
-    config = getattr(key_value_params, "kvzch_tbe_config", None) or KVZCHTBEConfig()
-    rule = dict(kind="feature_score", keep_rows=policy.training_id_keep_count, count_decay=policy.decay_rate,
-                decay_interval_minutes=_DECAY_MINUTES if policy.decay_rate < 1.0 else None,
-                score_bucket_width=getattr(config, "threshold_calculation_bucket_stride", 0.2),  # (older fbgemm:
-                score_buckets=getattr(config, "threshold_calculation_bucket_num", None) or 1_000_000)  # its defaults)
-    if policy.enable_auto_feature_score_collection:
-        rule.update(feature_scores=dict(policy.feature_score_mapping or {}),
-                    default_feature_score=policy.feature_score_default_value)
-    return rule
-
-
-def _trigger(table: str, kind: str, policy, key_value_params, fail) -> dict:
-    """When passes run, from fbgemm's trigger mode (TorchRec's default: memory, past
-    ``KeyValueParams.l2_cache_size`` GB)."""
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import KVZCHTBEConfig
-
-    config = getattr(key_value_params, "kvzch_tbe_config", None) or KVZCHTBEConfig()
-    mode = config.kvzch_eviction_trigger_mode
-    if mode == _MEMORY:
-        size = getattr(key_value_params, "l2_cache_size", None)
-        if not size:
-            fail(f"{kind} is triggered by memory (kvzch_eviction_trigger_mode 2, TorchRec's default) "
-                 "but KeyValueParams.l2_cache_size (the threshold, in GB) is not set",
-                 "set key_value_params=KeyValueParams(l2_cache_size=<GB per table shard>), or "
-                 "another trigger mode in KeyValueParams.kvzch_tbe_config")
-        return dict(trigger="bytes", trigger_bytes=int(size) << 30)
-    if mode == _ID_COUNT:
-        if not policy.training_id_eviction_trigger_count:
-            fail(f"{kind} is triggered by id count (kvzch_eviction_trigger_mode 4) but its "
-                 "training_id_eviction_trigger_count is 0", "set the row count that starts a pass")
-        return dict(trigger="rows", trigger_rows=policy.training_id_eviction_trigger_count)
-    if mode == _MANUAL:
-        return dict(trigger="manual")
-    if mode == _FREE_MEMORY:
-        return dict(trigger="free_memory", free_memory_bytes=config.eviction_free_mem_threshold_gb << 30,
-                    interval_steps=config.eviction_free_mem_check_interval_batch)
-    if mode == _ITERATION:
-        fail("kvzch_eviction_trigger_mode 1 (every N iterations) has no N in TorchRec's declarations",
-             "use KVZCHTableParams(eviction=EvictionPolicy(..., interval_steps=N)) in KVZCHConstraints")
-    if mode == _DISABLED:
-        fail(f"{kind} asks for eviction but kvzch_eviction_trigger_mode 0 disables it",
-             "use NoEvictionPolicy, or a trigger mode")
-    fail(f"kvzch_eviction_trigger_mode {mode} is unknown", "use 2 (memory), 3 (manual), 4 (id count) or 5 (free memory)")
 
 
 def _optimizer_fields(table: str, fused_params: dict) -> dict:

@@ -40,6 +40,7 @@ from torchrec_kvzch.params import KVZCHTableParams, RankBudget
 from torchrec_kvzch.torchrec.declarations import (
     KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_own_fields, table_params)
 from torchrec_kvzch.torchrec.device_cache import with_device_cache
+from torchrec_kvzch.torchrec.in_backward import in_backward_params
 from torchrec_kvzch.torchrec.embedding_kernel import BUDGET_KEY, FUSED_PARAMS_KEY
 from torchrec_kvzch.torchrec.lookups import STORE_KERNEL, KVZCHRwPooledSharding, KVZCHRwSequenceSharding
 from torchrec_kvzch.torchrec.pretrained import sharded_with_rows, without_kvzch_weights
@@ -79,10 +80,13 @@ class KVZCHParameterSharding(ParameterSharding):
 
 
 def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict | None,
-               budget: SharedBudget | None = None, device: torch.device | None = None) -> dict[str, ParameterSharding]:
+               budget: SharedBudget | None = None, device: torch.device | None = None,
+               in_backward: dict[str, dict] | None = None) -> dict[str, ParameterSharding]:
     """A module's plan with its KV-ZCH tables moved to ``STORE_KERNEL``, each carrying its parameters (from
-    our planner, else its declarations; on CUDA with TorchRec's cache declarations), the module's group of them
-    and the rank ``budget``, which reach the kernel as fused params; other tables' entries unchanged."""
+    our planner, else its declarations, with the optimizer applied ``in_backward`` to its weight; on CUDA with
+    TorchRec's cache declarations), the module's group of them and the rank ``budget``, which reach the
+    kernel as fused params; other tables' entries unchanged."""
+    in_backward = in_backward or {}
     by_name = {c.name: c for c in configs}
     chosen = {}
     for name, sharding in plan.items():
@@ -97,9 +101,9 @@ def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict |
         if explicit is None and kernel == STORE_KERNEL:
             raise ValueError(f"table '{name}' is planned on {STORE_KERNEL} without KV-ZCH "
                              f"parameters; plan it on {KVZCH_KERNEL} (KVZCHShardingPlanner does)")
-        fused, kv = table_fused_params(fused_params, sharding), sharding.key_value_params
+        fused, kv = table_fused_params(fused_params, sharding, in_backward.get(name)), sharding.key_value_params
         params = table_params(by_name[name], KVZCH_KERNEL if kernel == STORE_KERNEL else kernel, kv, fused, explicit,
-                              own=table_own_fields(sharding))
+                              own={**in_backward.get(name, {}), **table_own_fields(sharding)})
         cuda = device is not None and torch.device(device).type == "cuda"  # (host rows under a GPU cache)
         params = with_device_cache(params, fused, sharding.cache_params, kv, cuda)
         if sharding.sharding_type != ROW_WISE:
@@ -140,11 +144,15 @@ class _KVZCHModuleMixin:
     def _kvzch_tables(self) -> set[str]:
         return {t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == STORE_KERNEL}
 
-    def load_state_dict(self, state_dict, *args, **kwargs):
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if not self._built:  # TorchRec's __init__, copying the unsharded module
             keys = {f"{self._tables_prefix}{t}.weight" for t in self._kvzch_tables()}
             state_dict = without_kvzch_weights(state_dict, keys)
-        return super().load_state_dict(state_dict, *args, **kwargs)
+        self._kvzch_strict = strict  # (torch hands its hooks strict=True whatever the caller asked)
+        try:
+            return super().load_state_dict(state_dict, strict, assign)
+        finally:
+            del self._kvzch_strict
 
     def reset_parameters(self) -> None:
         # Stock reset re-initialises every table's dense weight; ours have none (the store
@@ -275,9 +283,9 @@ def _take_kvzch_entries(module, state_dict, prefix, local_metadata, strict, miss
     that are this model's own views (a state dict loaded in place by DCP) need nothing more.
     Others are rows to load, at the same world size (``torch.load``, upstream's materialised state
     dict, another model's, read chunk by chunk; upstream skips virtual-table weights in this path,
-    we load them, since the rows are at hand): ``_load_kvzch_entries`` loads them once the module's
-    keys are known to match, so that a load torch refuses leaves the rows as they were."""
-    staged = []
+    we load them, since the rows are at hand): every table's are checked here, before torch copies
+    anything (``materialised.py``), and ``_load_kvzch_entries`` loads them."""
+    loads = []
     for name, tbe in kvzch_tables(module):
         base = f"{prefix}{module._tables_prefix}{name}."
         entries = {k: state_dict.pop(base + k) for k in TABLE_ENTRIES + UPSTREAM_ONLY_ENTRIES
@@ -288,23 +296,22 @@ def _take_kvzch_entries(module, state_dict, prefix, local_metadata, strict, miss
             continue
         view = kv_view(entries["weight"])
         if view is None or view.store is not tbe.store:
-            staged.append((tbe, entries, admission))
-    module._kvzch_staged = (staged, prefix, strict, error_msgs)
+            part = RowPart.ROW if tbe.params.backend_return_whole_row else RowPart.WEIGHT
+            loads += [materialised_load(KVTensor(tbe.store, part), entries), admission_load(tbe, admission)]
+    module._kvzch_loads = (loads, prefix, error_msgs)
 
 
 def _load_kvzch_entries(module, incompatible_keys) -> None:
-    """Load the rows ``_take_kvzch_entries`` staged, unless torch is about to refuse the load
-    (strict, with keys missing or unexpected so far, or errors). The fused optimizer's state
-    views are then rebuilt over the loaded rows, so that its ``load_state_dict`` writes the
-    matching optimizer state into them (by each row's id when it comes from another model's views)."""
-    staged, prefix, strict, error_msgs = module.__dict__.pop("_kvzch_staged", ((), "", False, ()))
-    refused = error_msgs or (strict and (incompatible_keys.missing_keys or incompatible_keys.unexpected_keys))
-    if not staged or refused:
+    """Load the rows ``_take_kvzch_entries`` checked, unless torch is about to refuse the load (a
+    strict ``load_state_dict`` of this module with keys missing or unexpected, or errors): its
+    ordinary parameters are copied by then, as torch copies them, but the KV-ZCH rows stay. The
+    fused optimizer's state views are then rebuilt over the loaded rows, so that its
+    ``load_state_dict`` writes the matching optimizer state into them (by each row's id when it
+    comes from another model's views)."""
+    loads, prefix, error_msgs = module.__dict__.pop("_kvzch_loads", ((), "", ()))
+    strict = module.__dict__.get("_kvzch_strict", False)  # (unknown, loaded by a parent: torch's way)
+    if not loads or error_msgs or (strict and (incompatible_keys.missing_keys or incompatible_keys.unexpected_keys)):
         return
-    loads = []  # (every table checked before any changes)
-    for tbe, entries, admission in staged:
-        part = RowPart.ROW if tbe.params.backend_return_whole_row else RowPart.WEIGHT
-        loads += [materialised_load(KVTensor(tbe.store, part), entries), admission_load(tbe, admission)]
     for load in loads:
         load()
     _add_kvzch_entries(module, {}, prefix, None)
@@ -343,7 +350,8 @@ class KVZCHEmbeddingBagCollectionSharder(_KVZCHSharderMixin, EmbeddingBagCollect
     _tables_attr = "embedding_bags"
 
     def shard(self, module, params, env, device=None, module_fqn=None):
-        params = store_plan(module.embedding_bag_configs(), params, self.fused_params, self.shared_budget, device)
+        params = store_plan(module.embedding_bag_configs(), params, self.fused_params, self.shared_budget, device,
+                            in_backward_params(module, self._tables_attr))
         return self._build(module, params, lambda: KVZCHShardedEmbeddingBagCollection(
             module=module, table_name_to_parameter_sharding=params, env=env,
             fused_params=self.fused_params, device=device,
@@ -361,7 +369,8 @@ class KVZCHEmbeddingCollectionSharder(_KVZCHSharderMixin, EmbeddingCollectionSha
     _tables_attr = "embeddings"
 
     def shard(self, module, params, env, device=None, module_fqn=None):
-        params = store_plan(module.embedding_configs(), params, self.fused_params, self.shared_budget, device)
+        params = store_plan(module.embedding_configs(), params, self.fused_params, self.shared_budget, device,
+                            in_backward_params(module, self._tables_attr))
         return self._build(module, params, lambda: KVZCHShardedEmbeddingCollection(
             module, params, env, self.fused_params, device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,

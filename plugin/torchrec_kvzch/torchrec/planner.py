@@ -55,6 +55,8 @@ from torchrec_kvzch.params import (
 from torchrec_kvzch.torchrec.declarations import (
     EXTRA_FIELDS, KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_own_fields, table_params)
 from torchrec_kvzch.torchrec.device_cache import with_device_cache
+from torchrec_kvzch.torchrec.eviction_declarations import check_feature_score_module
+from torchrec_kvzch.torchrec.in_backward import in_backward_params
 from torchrec_kvzch.torchrec.modules import ROW_WISE, KVZCHParameterSharding, kvzch_sharders
 from torchrec_kvzch.table.disk_tier import estimated_tier_bytes
 from torchrec_kvzch.table.eviction import shard_budget
@@ -265,7 +267,7 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
     def _declared_tables(self, module: nn.Module, sharders) -> dict[str, KVZCHTableParams]:
         """Every KV-ZCH table of the model with its parameters; pins their constraints (these
         are shared with the enumerator, so they apply to this plan)."""
-        tables, declared = {}, set()
+        tables, declared, wrapped = {}, set(), _wrapped(module)
         for m in module.modules():
             if isinstance(m, EmbeddingBagCollection):
                 configs = m.embedding_bag_configs()
@@ -273,13 +275,17 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
                 configs = m.embedding_configs()
             else:
                 continue
+            check_feature_score_module(configs)
             fused = next((s.fused_params for s in sharders if isinstance(m, s.module_type)), None)
+            backward = in_backward_params(m, "embedding_bags" if isinstance(m, EmbeddingBagCollection) else "embeddings")
             for config in configs:
                 declared.add(config.name)
                 constraints = self._constraints.get(config.name)
                 kernel = _kvzch_kernel(config, constraints)
                 if kernel is None:
                     continue
+                if id(m) in wrapped:
+                    raise ValueError(f"KV-ZCH table '{config.name}' is inside a {wrapped[id(m)]}; {_WRAPPED_WHY[wrapped[id(m)]]}")
                 explicit = getattr(constraints, "kvzch", None)
                 if explicit is not None and not isinstance(explicit, KVZCHTableParams):
                     raise ValueError(f"table '{config.name}': KVZCHConstraints.kvzch must be a "
@@ -289,8 +295,10 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
                     raise ValueError(f"table '{config.name}': its KVZCHConstraints carry the "
                                      f"parameters of table '{explicit.name}'")
                 extras = constraints.extras() if isinstance(constraints, KVZCHConstraints) else {}
-                kv, table_fused = getattr(constraints, "key_value_params", None), table_fused_params(fused, constraints)
-                params = table_params(config, kernel, kv, table_fused, explicit, extras, table_own_fields(constraints))
+                kv, own = getattr(constraints, "key_value_params", None), backward.get(config.name, {})
+                table_fused = table_fused_params(fused, constraints, own)
+                params = table_params(config, kernel, kv, table_fused, explicit, extras,
+                                      {**own, **table_own_fields(constraints)})
                 # (as the sharders will read them: TorchRec's cache declarations size a CUDA shard's cache)
                 tables[config.name] = with_device_cache(params, table_fused, getattr(constraints, "cache_params", None),
                                                         kv, self._topology.compute_device == "cuda")
@@ -300,6 +308,27 @@ class KVZCHShardingPlanner(EmbeddingShardingPlanner):
         if missing:
             raise ValueError(f"KV-ZCH tables {missing} are not in the model; tables found: {sorted(declared)}")
         return tables
+
+
+_WRAPPED_WHY = {
+    "FeatureProcessedEmbeddingBagCollection": "KV-ZCH tables are sharded row-wise, where TorchRec passes per-sample "
+    "weights no gradient, so its feature processor's weights would never train; fix: give that feature an ordinary "
+    "table, or compute the weights outside the model (a weighted EmbeddingBagCollection)",
+    "ManagedCollisionEmbeddingBagCollection": "a KV-ZCH table gives every id a row of its own (zero-collision), and "
+    "the managed-collision module would remap ids on each rank apart; fix: drop it and look the raw ids up",
+}
+_WRAPPED_WHY["ManagedCollisionEmbeddingCollection"] = _WRAPPED_WHY["ManagedCollisionEmbeddingBagCollection"]
+
+
+def _wrapped(module: nn.Module) -> dict[int, str]:
+    """The embedding modules inside TorchRec's feature-processed or managed-collision modules (by
+    ``id``), with the wrapper's class name."""
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+
+    return {id(c): type(m).__name__ for m in module.modules()
+            if isinstance(m, (FeatureProcessedEmbeddingBagCollection, BaseManagedCollisionEmbeddingCollection))
+            for c in m.modules() if c is not m}
 
 
 def _kvzch_kernel(config, constraints: ParameterConstraints | None) -> str | None:

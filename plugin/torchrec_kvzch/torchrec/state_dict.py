@@ -183,6 +183,11 @@ class KVChunk(PartiallyMaterializedTensor):
         return rows
 
     def __reduce_ex__(self, protocol):  # (a plain tensor's: weights_only loads take it)
+        if self.wrapped.snapshot.frozen:  # (staged for an async save: DCP's process-based one pickles it)
+            raise ValueError(f"KV-ZCH table '{self.wrapped.store.params.name}': a state dict staged for an async "
+                             "save is pickled (dcp.async_save with a process-based checkpointer sends it to another "
+                             "process, where its rows lose the ids KVZCHSavePlanner records); fix: async_save with "
+                             "async_checkpointer_type=AsyncCheckpointerType.THREAD (the default), or dcp.save")
         return self._materialised("pickle").__reduce_ex__(protocol)
 
     def _materialised(self, what: str) -> torch.Tensor:
@@ -192,21 +197,27 @@ class KVChunk(PartiallyMaterializedTensor):
         return self.full_tensor()
 
     def copy_(self, src, non_blocking: bool = False):
-        """A plain ``src`` holds this chunk's rows in its order: written by this chunk's ids. A
-        lazy ``src`` over this store was loaded in place (nothing to do); over another store
-        (another model's optimizer state dict) its rows are read and written by its own ids."""
+        """A lazy ``src`` over this store was loaded in place (nothing to do); over another store
+        its rows are read and written by their own ids. A plain ``src`` carries no ids: what
+        writes one (DCP's default load planner, copying by position) is refused, naming the fix."""
         view = self.wrapped
-        if not view.shape[0]:
-            return self
-        if isinstance(src, PartiallyMaterializedTensor):
-            other = src.wrapped
-            if isinstance(other, KVTensor) and other.store is view.store:
-                return self
-            ids = other.ids if isinstance(other, KVTensor) else view.ids
-            view.set_weights_and_ids(src.full_tensor(), ids)
-        else:
-            view.set_weights_and_ids(src.reshape(view.shape[0], -1), view.ids)
+        if not isinstance(src, PartiallyMaterializedTensor):
+            raise _by_position(view, "load")
+        other = src.wrapped
+        if view.shape[0] and not (isinstance(other, KVTensor) and other.store is view.store):
+            view.set_weights_and_ids(src.full_tensor(), other.ids if isinstance(other, KVTensor) else view.ids)
         return self
+
+    def cpu(self):
+        """DCP's default save planner's writer reads a chunk through ``cpu()``: refused, naming the fix."""
+        raise _by_position(self.wrapped, "save")
+
+
+def _by_position(view: KVTensor, what: str) -> ValueError:
+    return ValueError(f"KV-ZCH table '{view.store.params.name}': DCP's default planners {what} a row entry by "
+                      "position, while a KV-ZCH table's rows go by id (and its checkpoints carry a record of them); "
+                      "fix: dcp.save(..., planner=KVZCHSavePlanner()) and dcp.load(..., planner=KVZCHLoadPlanner("
+                      "checkpoint_id=path)), or CheckpointManager")
 
 
 def rows_sharded_tensor(view: KVTensor, rows_per_rank: list[int], pg) -> ShardedTensor:

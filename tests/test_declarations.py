@@ -270,6 +270,8 @@ def test_a_module_mixing_feature_score_eviction_with_other_policies_is_refused_w
     """TorchRec feeds feature scores to every virtual table of a module once one evicts by them,
     and asserts the rest do too while sharding, naming no table: our planner refuses it first,
     naming both sides; a whole row's header of another width is refused too."""
+    from torchrec_kvzch.torchrec.modules import store_plan
+
     scored = FeatureScoreBasedEvictionPolicy(training_id_keep_count=10)
     planner = KVZCHShardingPlanner(Topology(world_size=1, compute_device="cpu"))
     for other in (NoEvictionPolicy(), TimestampBasedEvictionPolicy(eviction_ttl_mins=5)):
@@ -278,6 +280,8 @@ def test_a_module_mixing_feature_score_eviction_with_other_policies_is_refused_w
         with pytest.raises(ValueError, match=r"KV-ZCH tables \['scored'\] evict by feature score and "
                                              r"\['other'\], in the same module"):
             planner.plan(ebc, kvzch_sharders())
+        with pytest.raises(ValueError, match=r"\['scored'\] evict by feature score"):  # (TorchRec's planner's plan)
+            store_plan(ebc.embedding_bag_configs(), {}, None)
     planner = KVZCHShardingPlanner(Topology(world_size=1, compute_device="cpu"),
                                    constraints={"scored": ParameterConstraints(key_value_params=MEMORY)})
     plan = planner.plan(EmbeddingBagCollection(tables=[config(scored, name="scored"), config(name="none")],

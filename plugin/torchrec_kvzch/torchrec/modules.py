@@ -40,8 +40,9 @@ from torchrec_kvzch.params import KVZCHTableParams, RankBudget
 from torchrec_kvzch.torchrec.declarations import (
     KVZCH_KERNEL, VIRTUAL_KERNELS, table_fused_params, table_own_fields, table_params)
 from torchrec_kvzch.torchrec.device_cache import with_device_cache
-from torchrec_kvzch.torchrec.in_backward import in_backward_params
 from torchrec_kvzch.torchrec.embedding_kernel import BUDGET_KEY, FUSED_PARAMS_KEY
+from torchrec_kvzch.torchrec.eviction_declarations import check_feature_score_module
+from torchrec_kvzch.torchrec.in_backward import in_backward_params
 from torchrec_kvzch.torchrec.lookups import STORE_KERNEL, KVZCHRwPooledSharding, KVZCHRwSequenceSharding
 from torchrec_kvzch.torchrec.pretrained import sharded_with_rows, without_kvzch_weights
 from torchrec_kvzch.torchrec.tables import kvzch_kernels, kvzch_tables
@@ -87,6 +88,7 @@ def store_plan(configs, plan: dict[str, ParameterSharding], fused_params: dict |
     TorchRec's cache declarations), the module's group of them and the rank ``budget``, which reach the
     kernel as fused params; other tables' entries unchanged."""
     in_backward = in_backward or {}
+    check_feature_score_module(configs)  # (TorchRec's planner does not: its sharded module asserts it, nameless)
     by_name = {c.name: c for c in configs}
     chosen = {}
     for name, sharding in plan.items():

@@ -219,6 +219,11 @@ def test_the_served_model_predicts_what_the_trained_model_predicts(pools, tmp_pa
         assert torch.equal(served(probe), trained)
         net8, _ = served_model(test_resume.Net(kv), tmp_path, options=dataclasses.replace(options, dtype="int8"))
         assert (net8(probe) - trained).abs().max() < 0.05
+    if admitted:  # "initial" (the serving CLI's default) reads what evaluation reads: the default row
+        initial, _ = served_model(test_resume.Net(kv), tmp_path,
+                                  options=ServingOptions(default="initial", kvzch={t.name: t for t in kv}))
+        with torch.no_grad():
+            assert torch.equal(initial(probe), trained)
     if not admitted:  # zeros for unseen ids: the two never-seen ids' examples differ, no other
         zeros, _ = served_model(test_resume.Net(kv), tmp_path, options=ServingOptions(default="zeros"))
         with torch.no_grad():

@@ -17,8 +17,9 @@ from torchrec_kvzch.serving.source import Link, SavedKVTable
 from torchrec_kvzch.serving.table import ServedTable
 from torchrec_kvzch.torchrec.delta import DELETED
 
-# What an id without a row reads: admission's default row (zeros without one), zeros, or the
-# initial weights a row of it would start with (what training's evaluation reads).
+# What an id without a row reads: admission's default row (zeros without one), zeros, or what
+# training's evaluation reads (the initial weights a row of it would start with; on a table with
+# admission, its default row).
 DEFAULTS = ("admission", "zeros", "initial")
 
 
@@ -60,10 +61,13 @@ def build_table(chain: list[Link], name: str, *, dtype: str = "fp32", pooling: s
     """KV-ZCH table ``name`` as ``chain`` (a full checkpoint, then its deltas) restores it,
     its ids in ``buckets`` only, on ``device``. ``default``: what an id without a row reads:
     ``admission`` (the table's trainable default row where it has one, else zeros), ``zeros``,
-    or ``initial`` (the id-seeded weights of ``params``, the table's parameters as trained)."""
+    or ``initial`` (what training's evaluation reads: the id-seeded weights of ``params``, the
+    table's parameters as trained; on a table saved with admission, ``admission``'s rows)."""
     if default not in DEFAULTS:
         raise ValueError(f"served table '{name}': default {default!r} is unknown; use one of "
                          f"{', '.join(DEFAULTS)}")
+    if default == "initial" and chain and chain[-1].admits(check_chain(chain, name)):
+        default = "admission"
     if default == "initial" and params is None:
         raise ValueError(f"served table '{name}': default 'initial' needs the table's parameters as trained "
                          "(their init_range and init_seed); pass them")

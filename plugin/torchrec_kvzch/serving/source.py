@@ -29,7 +29,7 @@ from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.checkpoint.record import SavedTable, chain_link, saved_record
 from torchrec_kvzch.params import KVZCHTableParams
 from torchrec_kvzch.table.layout import RowLayout
-from torchrec_kvzch.torchrec.admission_state import DEFAULT_WEIGHT
+from torchrec_kvzch.torchrec.admission_state import DEFAULT_WEIGHT, SKETCH
 from torchrec_kvzch.torchrec.delta import DELETED
 
 
@@ -146,6 +146,10 @@ class Link:
         ids = [self._read(index).view(-1) for index in self.chunks(table, lo, hi, DELETED)]
         ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
         return ids[(ids >= lo) & (ids < hi)]
+
+    def admits(self, table: SavedKVTable) -> bool:
+        """Whether the table was saved with admission (its sketch): absent ids then read its default row."""
+        return table.base + SKETCH in self.metadata.state_dict_metadata
 
     def default_rows(self, table: SavedKVTable) -> torch.Tensor | None:
         """Admission's trainable default row of each saving rank ``[world, D]``, or None."""

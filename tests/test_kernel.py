@@ -259,3 +259,22 @@ def test_evaluation_changes_nothing_and_reads_what_training_would(pooling, weigh
     empty = torch.empty(0, dtype=torch.long)
     with torch.no_grad():
         assert tbe(empty, torch.zeros(3, dtype=torch.long)).shape[0] in (0, 2)
+
+
+@pytest.mark.parametrize("offsets, weights", [([0, 2], None), ([0, 4], None), ([1, 3], None), ([0, 2, 1, 3], None),
+                                              ([0, 3], [1.0, 2.0])])
+def test_a_malformed_batch_is_refused_before_anything_changes(offsets, weights):
+    """fbgemm's TBE runs without bounds checks: offsets that do not rise from 0 to the number of
+    ids, or per-sample weights not one per id, are refused by name before admission counts the
+    batch, the clock steps or a row is made (training and evaluation alike)."""
+    from torchrec_kvzch import AdmissionPolicy
+
+    p = KVZCHTableParams("b", 4, num_embeddings=2**20, total_num_buckets=8,
+                         admission=AdmissionPolicy("count", min_count=2))
+    tbe = TableTBE(p, p.bucket_range(0, 1))
+    ids, weights = torch.tensor([5, 6, 6]), None if weights is None else torch.tensor(weights)
+    for train in (True, False):
+        tbe.train(train)
+        with pytest.raises(ValueError, match="KV-ZCH table 'b': (offsets must rise|2 per-sample weights for 3 ids)"):
+            tbe(ids, torch.tensor(offsets), weights)
+        assert (tbe.store.clock, len(tbe.store), int(tbe.store.admission.counts.sum())) == (0, 0, 0)

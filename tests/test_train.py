@@ -21,7 +21,7 @@ from torchrec_kvzch.checkpoint.manager import CheckpointManager
 from torchrec_kvzch.torchrec.config import load_config
 from torchrec_kvzch.job.data import CriteoClickLog, SyntheticClickLog
 from torchrec_kvzch.job import config_path
-from torchrec_kvzch.job.cli import UsageError, check_args, parse_args
+from torchrec_kvzch.job.cli import UsageError, check_args, job_config, parse_args
 from torchrec_kvzch.job.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -435,6 +435,13 @@ def test_bad_command_lines_are_refused_before_anything_starts(tmp_path):
     for spec in ("count", "count:1", "probability:2", "count:2:mean", "lottery:3"):
         with pytest.raises(UsageError, match=f"--admission '{spec}': expected count:N or probability:P"):
             check_args(parse_args(["--config", QUICKSTART, "--admission", spec]), 2)
+    sketched = tmp_path / "sketched.yaml"  # --admission sets the rule; the config's sketch size stays
+    sketched.write_text(Path(QUICKSTART).read_text().replace(
+        "    total_num_buckets: 64\n",
+        "    total_num_buckets: 64\n    admission: {kind: count, min_count: 3, sketch_width: 65536, sketch_depth: 2}\n", 1))
+    config = job_config(parse_args(["--config", str(sketched), "--admission", "count:2"]))
+    admission = next(t.kvzch.admission for t in config.tables if t.kvzch is not None)
+    assert (admission.min_count, admission.sketch_width, admission.sketch_depth) == (2, 65536, 2)
     with pytest.raises(Exception, match="no such sharding config"):
         check_args(parse_args(["--config", str(tmp_path / "missing.yaml")]), 2)
     few = tmp_path / "few.yaml"

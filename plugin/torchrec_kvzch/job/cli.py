@@ -183,14 +183,16 @@ def parse_admission(text: str) -> AdmissionPolicy:
 
 
 def job_config(args: argparse.Namespace) -> ShardingConfig:
-    """The sharding config, with ``--admission`` (if given) for every KV-ZCH table, and each
-    relative disk-tier path (``storage.path``) under the run directory: the run's own."""
+    """The sharding config, with ``--admission`` (if given: its rule, keeping the config's sketch
+    size) for every KV-ZCH table, and each relative disk-tier path (``storage.path``) under the
+    run directory: the run's own."""
     config = load_config(args.config)
     policy = None if args.admission is None else parse_admission(args.admission)
 
     def adjusted(kv):
-        if policy is not None:
-            kv = dataclasses.replace(kv, admission=policy)
+        if policy is not None:  # (the rule the flag names; the config's sketch size stays)
+            sketch = {k: getattr(kv.admission, k) for k in ("sketch_width", "sketch_depth")}
+            kv = dataclasses.replace(kv, admission=dataclasses.replace(policy, **sketch).validate(kv.name))
         if kv.storage.enabled and not Path(kv.storage.path).is_absolute():
             kv = dataclasses.replace(kv, storage=dataclasses.replace(kv.storage, path=str(args.run_dir / kv.storage.path)))
         return kv

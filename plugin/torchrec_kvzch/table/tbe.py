@@ -149,6 +149,7 @@ class TableTBE(nn.Module):
         scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``scores``: per id, what a training lookup adds to a feature-score table's rows."""
+        self._check_batch(ids, offsets, per_sample_weights)
         if not (self.training and torch.is_grad_enabled()):
             if self._prefetched:
                 raise RuntimeError(f"KV-ZCH table '{self.params.name}': an evaluation lookup while a prefetched "
@@ -158,6 +159,21 @@ class TableTBE(nn.Module):
             with torch.no_grad():
                 return self._train_lookup(ids, offsets, per_sample_weights, scores)
         return self._train_lookup(ids, offsets, per_sample_weights, scores)
+
+    def _check_batch(self, ids, offsets, per_sample_weights) -> None:
+        """Refuse a malformed batch before anything changes: fbgemm's TBE runs without bounds checks
+        (the sharded modules check their batches before routing them). Offsets' values are checked
+        where they are on the CPU: on a GPU that would cost a host sync per lookup."""
+        n, bad = ids.numel(), None
+        if offsets.dim() != 1 or offsets.numel() < 1:
+            bad = f"offsets must be 1-D with one value at least, got shape {list(offsets.shape)}"
+        elif per_sample_weights is not None and per_sample_weights.numel() != n:
+            bad = f"{per_sample_weights.numel()} per-sample weights for {n} ids"
+        elif offsets.device.type == "cpu" and (int(offsets[0]) != 0 or int(offsets[-1]) != n
+                                               or bool((offsets[1:] < offsets[:-1]).any())):
+            bad = f"offsets must rise from 0 to the number of ids, {n}; got {offsets.tolist()[:8]}..."
+        if bad is not None:
+            raise ValueError(f"KV-ZCH table '{self.params.name}': {bad}; fix: one weight per id, offsets from 0 up")
 
     def _train_lookup(self, ids, offsets, per_sample_weights, scores) -> torch.Tensor:
         if self.store.row_cache is not None and self.store.pending_update is not None:
@@ -193,6 +209,7 @@ class TableTBE(nn.Module):
         ``prefetch_pipeline``); evaluation batches look up in their forward."""
         if not (self.prefetches and self.training and torch.is_grad_enabled()) or self.embedding_cache:
             return
+        self._check_batch(ids, offsets, None)
         if forward_stream is not None:  # (the store's id map and headers are not made for two streams at once)
             torch.cuda.current_stream().wait_stream(forward_stream)
         slots = self.store.lookup_for_update(ids, scores)

@@ -110,6 +110,9 @@ def test_every_upstream_eviction_policy_maps_to_ours(policy, key_value, expected
     (TimestampBasedEvictionPolicy(eviction_ttl_mins=5), KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(
         kvzch_eviction_trigger_mode=5, eviction_free_mem_threshold_gb=4, eviction_free_mem_check_interval_batch=0)),
      "eviction_free_mem_check_interval_batch=0 is not a positive integer"),
+    (TimestampBasedEvictionPolicy(eviction_ttl_mins=5), KeyValueParams(kvzch_tbe_config=KVZCHTBEConfig(
+        kvzch_eviction_trigger_mode=5, eviction_free_mem_threshold_gb=float("inf"),
+        eviction_free_mem_check_interval_batch=10)), "eviction_free_mem_threshold_gb=inf is not a positive number"),
     (None, KeyValueParams(enable_raw_embedding_streaming=True), "enable_raw_embedding_streaming is not supported"),
     (None, KeyValueParams(ps_hosts=(("::1", 2000),)), "ps_hosts is not supported"),
     (None, KeyValueParams(load_ckpt_without_opt=True), "load_optimizer=False"),

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from dataclasses import dataclass
 
-from torchrec_kvzch.params.checks import member, positive_int
+from torchrec_kvzch.params.checks import finite, member, positive_int
 
 
 class AdmissionKind(str, enum.Enum):
@@ -56,7 +55,7 @@ class AdmissionPolicy:
                  f"kind 'none'), got {self.min_count!r}")
         p = self.probability
         if kind is AdmissionKind.PROBABILITY and not (
-                isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) and 0 < p < 1):
+                finite(p) and 0 < p < 1):
             fail(f"probability must be in (0, 1) with kind 'probability', got {p!r}")
         for name, kinds in (("min_count", (AdmissionKind.COUNT,)), ("probability", (AdmissionKind.PROBABILITY,))):
             if getattr(self, name) is not None and kind not in kinds:

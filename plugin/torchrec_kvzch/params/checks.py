@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import math
 
 import torch
 
@@ -27,6 +28,11 @@ def module_key_problem(name: str) -> str | None:
 
 def positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def finite(value) -> bool:
+    """A real, finite number (not a bool, which Python counts as an int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def pair(value, name, fail) -> tuple[float, float]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from dataclasses import dataclass
 
-from torchrec_kvzch.params.checks import member, positive_int
+from torchrec_kvzch.params.checks import finite, member, positive_int
 
 
 _BUDGETS = ("max_rows", "max_bytes", "table_max_rows", "table_max_bytes")
@@ -111,7 +110,7 @@ class EvictionPolicy:
                 fail(f"eviction.{name} must be a positive integer, got {value!r}")
         for name in ("ttl_minutes", "l2_threshold"):
             value = getattr(self, name)
-            if value is not None and not (_finite(value) and value > 0):
+            if value is not None and not (finite(value) and value > 0):
                 fail(f"eviction.{name} must be a positive number, got {value!r}")
         if self.ttl_steps is not None and self.ttl_minutes is not None:
             fail("eviction.ttl_steps and eviction.ttl_minutes are two TTLs; give one")
@@ -146,7 +145,7 @@ class EvictionPolicy:
         if trigger is not EvictionTrigger.INTERVAL and not kind.has_pass:
             fail(f"eviction.trigger '{trigger.value}' starts a pass of a ttl, lfu, l2 or feature_score policy; "
                  f"kind '{kind.value}' has none")
-        if not (_finite(self.count_decay) and 0.0 < self.count_decay <= 1.0):
+        if not (finite(self.count_decay) and 0.0 < self.count_decay <= 1.0):
             fail(f"eviction.count_decay must be in (0, 1], a number, got {self.count_decay!r}")
         self._unused(kind, trigger, fail)
         scores = self._scores(kind, fail)
@@ -168,7 +167,7 @@ class EvictionPolicy:
                          "use kind 'feature_score'")
         minutes = self.decay_interval_minutes
         if minutes is not None:
-            if not (_finite(minutes) and minutes > 0):
+            if not (finite(minutes) and minutes > 0):
                 fail(f"eviction.decay_interval_minutes must be a positive number, got {minutes!r}")
             if self.count_decay == 1.0:
                 fail("eviction.decay_interval_minutes spaces the decays of count_decay, which is 1.0 (none); "
@@ -188,7 +187,7 @@ class EvictionPolicy:
                  f"shard) as a positive integer, got {self.keep_rows!r}")
         if not positive_int(self.score_buckets) or self.score_buckets < 2:
             fail(f"eviction.score_buckets must be an integer >= 2, got {self.score_buckets!r}")
-        if not _finite(self.score_bucket_width) or self.score_bucket_width <= 0:
+        if not finite(self.score_bucket_width) or self.score_bucket_width <= 0:
             fail(f"eviction.score_bucket_width must be a positive number, got {self.score_bucket_width!r}")
         pairs = self.feature_scores
         if pairs is not None:
@@ -197,7 +196,7 @@ class EvictionPolicy:
             except (TypeError, ValueError):
                 fail(f"eviction.feature_scores must map feature names to numbers, got {pairs!r}")
             for feature, score in pairs:
-                if not isinstance(feature, str) or not _finite(score) or score < 0:
+                if not isinstance(feature, str) or not finite(score) or score < 0:
                     fail(f"eviction.feature_scores maps feature names to numbers >= 0; got {feature!r}: {score!r}")
             pairs = tuple((f, float(v)) for f, v in pairs)
         default = self.default_feature_score
@@ -205,7 +204,7 @@ class EvictionPolicy:
             if pairs is None:
                 fail("eviction.default_feature_score goes with eviction.feature_scores (scores by feature); "
                      "without them the scores are the batch's KJT weights")
-            if not _finite(default) or default < 0:
+            if not finite(default) or default < 0:
                 fail(f"eviction.default_feature_score must be a number >= 0, got {default!r}")
             default = float(default)
         return dict(feature_scores=pairs, default_feature_score=default,
@@ -264,8 +263,6 @@ class EvictionPolicy:
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EvictionPolicy)}
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchrec_kvzch.params.admission import AdmissionPolicy
-from torchrec_kvzch.params.checks import RENAME_TABLE, module_key_problem, pair, positive_int
+from torchrec_kvzch.params.checks import RENAME_TABLE, finite, module_key_problem, pair, positive_int
 from torchrec_kvzch.params.eviction import EvictionPolicy
 from torchrec_kvzch.params.optimizer import OPTIMIZER_DEFAULTS, OptimizerKind, WeightDecayMode
 from torchrec_kvzch.params.storage import DeviceCache, DiskStorage
@@ -104,12 +104,12 @@ class KVZCHTableParams:
                  "pass a bool")
         for name in ("learning_rate", "eps"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not (finite(value)
                     and value > 0):
                 fail(name, f"must be a positive finite number, got {value!r}", "e.g. 0.01")
         object.__setattr__(self, "weight_decay_mode", WeightDecayMode.parse(self.weight_decay_mode, self.name))
         decay = self.weight_decay
-        if not (isinstance(decay, (int, float)) and not isinstance(decay, bool) and math.isfinite(decay)
+        if not (finite(decay)
                 and decay >= 0):
             fail("weight_decay", f"must be a finite number >= 0, got {decay!r}", "e.g. 1e-5, or 0 for none")
         if decay and self.weight_decay_mode is WeightDecayMode.NONE:

@@ -66,12 +66,12 @@ def build_table(chain: list[Link], name: str, *, dtype: str = "fp32", pooling: s
     if default not in DEFAULTS:
         raise ValueError(f"served table '{name}': default {default!r} is unknown; use one of "
                          f"{', '.join(DEFAULTS)}")
-    if default == "initial" and chain and chain[-1].admits(check_chain(chain, name)):
+    table = check_chain(chain, name)
+    if default == "initial" and chain[-1].admits(table):
         default = "admission"
     if default == "initial" and params is None:
         raise ValueError(f"served table '{name}': default 'initial' needs the table's parameters as trained "
                          "(their init_range and init_seed); pass them")
-    table = check_chain(chain, name)
     for field in ("embedding_dim", "num_embeddings", "total_num_buckets") if params is not None else ():
         if getattr(params, field) != getattr(table.saved, field):
             raise ValueError(f"served table '{name}': its parameters give {field} {getattr(params, field)}, "

@@ -29,7 +29,6 @@ defaults: nothing here repeats them.
 from __future__ import annotations
 
 import difflib
-import math
 import re
 import types
 import typing
@@ -43,7 +42,7 @@ from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
-from torchrec_kvzch.params.checks import RENAME_TABLE, module_key_problem
+from torchrec_kvzch.params.checks import RENAME_TABLE, finite, module_key_problem
 from torchrec_kvzch.params.table import MAX_NUM_EMBEDDINGS
 from torchrec_kvzch.params import (
     OPTIMIZER_DEFAULTS,
@@ -187,7 +186,7 @@ class _Parser:
         """A learning rate or epsilon: a positive finite number (the ordinary tables take it as
         it is, the KV-ZCH ones as their default). YAML reads ``1e-3`` as a string: taken too."""
         number = float(value) if isinstance(value, str) and re.fullmatch(_FLOAT, value) else value
-        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
+        if not finite(number) or number <= 0:
             self.fail(where, f"expected a positive number, got {value!r}")
         return float(number)
 

@@ -11,9 +11,9 @@ logged.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from torchrec_kvzch.params import DeviceCache, KVZCHTableParams
+from torchrec_kvzch.params.checks import finite, positive_int
 from torchrec_kvzch.table.row_cache import refusal
 from torchrec_kvzch.torchrec.declarations import DTYPES, notice
 
@@ -50,9 +50,9 @@ def with_device_cache(params: KVZCHTableParams, fused_params: dict | None, cache
     megabytes = getattr(key_value_params, "max_l1_cache_size", None)
     if params.device_cache.enabled or (factor is None and megabytes is None and cache_params is None):
         return params
-    if factor is not None and not (_number(factor) and 0 < factor <= 1):
+    if factor is not None and not (finite(factor) and 0 < factor <= 1):
         fail(factor_from, f"must be a number in (0, 1], got {factor!r}", "e.g. 0.2")
-    if megabytes is not None and not (isinstance(megabytes, int) and not isinstance(megabytes, bool) and megabytes > 0):
+    if megabytes is not None and not positive_int(megabytes):
         fail("KeyValueParams.max_l1_cache_size", f"must be a positive whole number of MB, got {megabytes!r}",
              "e.g. 1024, or None for no cap")
     pipelined, pipelined_from = declared("prefetch_pipeline", "prefetch_pipeline")
@@ -67,10 +67,6 @@ def with_device_cache(params: KVZCHTableParams, fused_params: dict | None, cache
                         policy=str(getattr(algorithm, "name", algorithm)).rsplit(".", 1)[-1].lower(),
                         prefetch_pipeline=bool(pipelined))
     return dataclasses.replace(params, device_cache=cache)
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _refuse_unused(params: KVZCHTableParams, cache_params, fail) -> None:

@@ -6,13 +6,12 @@ them, or refused naming the field (docs/porting.md maps each).
 
 from __future__ import annotations
 
-import numbers
-
 from torchrec.modules.embedding_configs import (
     CountBasedEvictionPolicy, CountTimestampMixedEvictionPolicy, FeatureL2NormBasedEvictionPolicy,
     FeatureScoreBasedEvictionPolicy, NoEvictionPolicy, TimestampBasedEvictionPolicy)
 
 from torchrec_kvzch.params import EvictionPolicy
+from torchrec_kvzch.params.checks import finite, positive_int
 
 HEADER_BYTES = 16  # a whole row's header: the id, then the meta word (table/layout.py)
 # fbgemm's trigger modes (KVZCHTBEConfig.kvzch_eviction_trigger_mode)
@@ -134,9 +133,9 @@ def _trigger(table: str, kind: str, policy, key_value_params, fail) -> dict:
         return dict(trigger="manual")
     if mode == _FREE_MEMORY:
         gb, every = config.eviction_free_mem_threshold_gb, config.eviction_free_mem_check_interval_batch
-        if isinstance(gb, bool) or not isinstance(gb, numbers.Real) or not gb > 0:
+        if not (finite(gb) and gb > 0):
             fail(f"KVZCHTBEConfig.eviction_free_mem_threshold_gb={gb!r} is not a positive number of GB", "e.g. 8")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not positive_int(every):
             fail(f"KVZCHTBEConfig.eviction_free_mem_check_interval_batch={every!r} is not a positive integer",
                  "e.g. 1000 (batches between checks)")
         return dict(trigger="free_memory", free_memory_bytes=int(gb * (1 << 30)), interval_steps=every)

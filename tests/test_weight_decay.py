@@ -8,14 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from torchrec_kvzch import KVZCHTableParams, TableTBE
 from torchrec_kvzch.params import WeightDecayMode
 
 
 def reference_step(rows: dict, momentum: dict, ids, offsets, grad_out, p: KVZCHTableParams, pooling):
-    """One step of ``p``'s optimizer on float64 copies (``rows``/``momentum`` by id, updated)."""
+    """One step of ``p``'s optimizer on float64 copies (``rows``/``momentum`` by id, updated); a
+    batch of empty bags updates no row."""
+    if not ids.numel():
+        return
     unique, inverse = torch.unique(ids, return_inverse=True)
     table = torch.stack([rows[int(i)] for i in unique]).requires_grad_()
     mode = "mean" if pooling == PoolingMode.MEAN else "sum"
@@ -37,6 +40,7 @@ def reference_step(rows: dict, momentum: dict, ids, offsets, grad_out, p: KVZCHT
                                        ("exact_rowwise_adagrad", "decouple"), ("exact_rowwise_adagrad", "l2")]),
        decay=st.sampled_from([0.0, 0.01, 0.3]),
        pooling=st.sampled_from([PoolingMode.SUM, PoolingMode.MEAN]), seed=st.integers(0, 2**16))
+@example(optimizer_mode=("exact_rowwise_adagrad", "l2"), decay=0.3, pooling=PoolingMode.SUM, seed=39072)  # (a batch of empty bags)
 def test_rows_after_training_with_weight_decay_equal_the_float64_reference(optimizer_mode, decay, pooling, seed):
     optimizer, mode = optimizer_mode
     p = KVZCHTableParams("t", 8, num_embeddings=2**20, total_num_buckets=4, optimizer=optimizer,
